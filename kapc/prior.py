@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
+from kapc.errors import KapcError
 
 PRIOR_FORMAT = "kapc.prior"
 PRIOR_VERSION = 1
@@ -96,7 +97,7 @@ class Prior(_Strict, kw_only=True):
     meta: dict[str, Any] = {}
 
 
-class PriorError(ValueError):
+class PriorError(KapcError):
     """A prior.json that cannot be used; the message names the file and the JSON path."""
 
 

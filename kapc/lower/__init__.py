@@ -1,0 +1,1 @@
+"""Lowering: a compacted module becomes a `.kapb` plan (format in kapb.py)."""

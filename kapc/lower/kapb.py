@@ -26,6 +26,7 @@ from typing import Literal
 
 import msgspec
 import numpy as np
+from kapc.errors import KapcError
 
 MAGIC = b"KAPB\x00\r\n\x1a"
 FORMAT_VERSION = 1
@@ -33,7 +34,7 @@ _PREFIX = struct.Struct("<8sIIQ32s")  # magic, version, header length, total len
 _ALIGN = 64
 
 
-class KapbError(ValueError):
+class KapbError(KapcError):
     """A `.kapb` that cannot be used; the message says what is wrong."""
 
 

@@ -1,0 +1,3 @@
+from kapc.cli import main
+
+main()

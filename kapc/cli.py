@@ -1,0 +1,228 @@
+"""The `kapc` command line (typer + rich). Heavy imports stay inside the commands that need them,
+so `kapc compile/explain/inspect/fmt` start fast and never import torch."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kapc import settings
+from kapc.errors import KapcError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="Compile retrieval priors into runtime KV access plans, and run them.")
+schema_app = typer.Typer(no_args_is_help=True, help="Print JSON Schemas of kapc's input formats.")
+app.add_typer(schema_app, name="schema")
+
+PassesOpt = Annotated[Optional[str], typer.Option(
+    "--passes", help="Pipeline, e.g. 'ground,align-spans,select{budget-tokens=1024},"
+    "resolve-pages,compact' (default: the default pipeline, less what an input .kap already ran).")]
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", help="Local Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct).")]
+
+
+def _err(message: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True, highlight=False).print(f"[bold red]kapc: error:[/] {message}", markup=True,
+                                                soft_wrap=True)
+
+
+def _load_input(path: Path):
+    """A prior.json or a `.kap` file at any stage, as a module."""
+    from kapc.checker import check_module
+    from kapc.ingest import module_from_prior
+    from kapc.parse import parse_file
+    from kapc.prior import load_prior
+
+    if path.suffix == ".kap":
+        module = parse_file(path)
+        check_module(module, where=str(path))
+        return module
+    return module_from_prior(load_prior(path))
+
+
+def _passes_for(module, passes: str | None):
+    from kapc.pipeline import parse_pipeline, remaining_default
+
+    return parse_pipeline(passes) if passes else remaining_default(module)
+
+
+@app.command("compile")
+def compile_cmd(
+    input: Annotated[Path, typer.Argument(help="prior.json, or a .kap file from any stage.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the .kapb plan.")],
+    passes: PassesOpt = None,
+    model: ModelOpt = None,
+    emit_kap: Annotated[Optional[Path], typer.Option(help="Also write the final IR as .kap text.")] = None,
+    check_roundtrip: Annotated[bool, typer.Option(help="Print and re-parse the IR after every pass.")] = False,
+) -> None:
+    """Compile a prior (or a .kap) into a .kapb plan."""
+    from kapc.lower.kapb import write_plan
+    from kapc.lower.lower import lower_module
+    from kapc.parse import print_module
+    from kapc.passes import CompileContext
+    from kapc.pipeline import run_pipeline
+
+    module = _load_input(input)
+    ctx = CompileContext(model)
+    result = run_pipeline(module, _passes_for(module, passes), ctx, roundtrip=check_roundtrip or None)
+    out = result.module
+    if emit_kap:
+        emit_kap.write_text(print_module(out))
+    write_plan(output, lower_module(out, ctx))
+    p, c = out.pages, out.cost
+    width = sum(len(r) for r in p.selected)
+    verdict = "pays off" if c.pays else "predicted loss: the runtime will fall back to full context"
+    typer.echo(f"kapc: {output}: {out.kap.name}: {out.prompt.tokens} prompt tokens, {width}/{p.blocks} "
+               f"blocks of {p.block_size} (s = {p.retained:.3f}), k = {out.verify.k} "
+               f"{out.verify.accept}, predicted speedup {c.speedup:.2f}x ({verdict})", err=True)
+
+
+@app.command()
+def explain(
+    input: Annotated[Path, typer.Argument(help="prior.json, or a .kap file from any stage.")],
+    passes: PassesOpt = None,
+    model: ModelOpt = None,
+    print_after: Annotated[Optional[list[str]], typer.Option(
+        "--print-after", help="Print the IR only after these passes (repeatable).")] = None,
+    full_text: Annotated[bool, typer.Option(
+        help="Print strings whole (each section then parses as .kap); default elides long text.")] = False,
+) -> None:
+    """Show the IR after every pass, with a view of which parts of the prompt each pass keeps."""
+    from kapc.explain import section
+    from kapc.passes import CompileContext, PASSES
+    from kapc.pipeline import PipelineError, run_pipeline
+
+    module = _load_input(input)
+    pipeline = _passes_for(module, passes)
+    wanted = set(print_after or [])
+    unknown = wanted - set(PASSES)
+    if unknown:
+        raise PipelineError(f"--print-after: unknown pass {sorted(unknown)[0]!r} (passes: {', '.join(PASSES)})")
+    if not wanted:
+        typer.echo(section("input", module, full_text))
+    run_pipeline(module, pipeline, CompileContext(model), after_pass=lambda rec: (
+        typer.echo(section(rec.name, rec.module, full_text))
+        if not wanted or rec.name in wanted else None))
+
+
+@app.command()
+def inspect(
+    plan: Annotated[Path, typer.Argument(help="A .kapb plan.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Show what a .kapb plan holds (after checking its integrity)."""
+    from kapc.lower.kapb import read_plan
+
+    p = read_plan(plan)
+    h = p.header
+    info = {
+        "file": str(plan), "format_version": p.format_version, "name": h.name,
+        "kapc_version": h.kapc_version, "model": h.model, "model_fingerprint": h.model_fingerprint,
+        "tokenizer_fingerprint": h.tokenizer_fingerprint, "prompt_tokens": h.prompt_tokens,
+        "prompt_hash": h.prompt_hash, "block_size": h.block_size,
+        "selected_blocks": p.selected_blocks.tolist(), "visible_prompt_tokens": h.visible_prompt_tokens,
+        "retained_ratio": h.retained_ratio, "padded_blocks": h.padded_blocks, "k": h.k,
+        "accept": h.accept, "fallback": _struct_dict(h.fallback), "cost": _struct_dict(h.cost),
+    }
+    if as_json:
+        typer.echo(json.dumps(info))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{plan}", show_header=False, box=None)
+    for key, value in info.items():
+        if key == "selected_blocks":
+            value = _ranges_text(value)
+        table.add_row(key, str(value))
+    Console().print(table)
+
+
+def _struct_dict(s) -> dict:
+    import msgspec
+
+    return msgspec.to_builtins(s)
+
+
+def _ranges_text(blocks: list[int]) -> str:
+    runs, start = [], None
+    for i, b in enumerate(blocks):
+        if start is None:
+            start = b
+        if i + 1 == len(blocks) or blocks[i + 1] != b + 1:
+            runs.append(f"{start}..{b + 1}")
+            start = None
+    return f"{len(blocks)} blocks: " + " ".join(runs)
+
+
+@app.command()
+def fmt(
+    paths: Annotated[list[Path], typer.Argument(help=".kap files or folders holding them.")],
+    check: Annotated[bool, typer.Option(help="Only report files that are not canonical (exit 1).")] = False,
+) -> None:
+    """Rewrite .kap files in canonical form (checking that they parse and are valid IR)."""
+    from kapc.checker import check_module
+    from kapc.parse import parse_file, print_module
+
+    files = [f for p in paths for f in (sorted(p.rglob("*.kap")) if p.is_dir() else [p])]
+    if not files:
+        raise KapcError(f"no .kap files in {', '.join(map(str, paths))}")
+    bad = 0
+    for f in files:
+        module = parse_file(f)
+        check_module(module, where=str(f))
+        text = print_module(module)
+        if f.read_text(encoding="utf-8") != text:
+            if check:
+                typer.echo(f"would reformat {f}", err=True)
+                bad += 1
+            else:
+                f.write_text(text, encoding="utf-8")
+                typer.echo(f"reformatted {f}", err=True)
+    if check and bad:
+        raise typer.Exit(1)
+    typer.echo(f"{len(files)} file(s) checked" + (", all canonical" if check else ""), err=True)
+
+
+@schema_app.command("prior")
+def schema_prior() -> None:
+    """The JSON Schema of prior.json."""
+    from kapc.prior import prior_schema
+
+    typer.echo(json.dumps(prior_schema(), indent=1))
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except KapcError as exc:
+        if settings.debug():
+            raise
+        _err(str(exc))
+        sys.exit(1)
+    except (typer.Exit, SystemExit) as exc:
+        sys.exit(getattr(exc, "exit_code", getattr(exc, "code", 0)))
+    except typer.Abort:
+        _err("aborted")
+        sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - last resort: one paragraph, the traceback on request
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        if settings.debug():
+            raise
+        _err(f"internal error: {type(exc).__name__}: {exc} (set KAPC_DEBUG=1 for the traceback, "
+             f"and please report it)")
+        sys.exit(70)
+
+
+if __name__ == "__main__":
+    main()

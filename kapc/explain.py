@@ -1,0 +1,82 @@
+"""`kapc explain`: the IR after every pass under one fixed header, plus a readable view of which
+parts of the prompt each pass keeps. Every line that is not IR is a `#` comment, so each section
+of the output (with --full-text) is itself a valid `.kap` file."""
+
+from __future__ import annotations
+
+from kapc.intervals import union
+from kapc.ir import Module
+from kapc.parse import print_module
+
+ELIDE = 72  # long enough to keep fingerprints whole
+
+
+def header(stage: str) -> str:
+    return f"# ----- IR after {stage} ----- #"
+
+
+def section(stage: str, module: Module, full_text: bool) -> str:
+    body = print_module(module, elide=None if full_text else ELIDE)
+    view = prompt_view(module)
+    return "\n".join([header(stage), body.rstrip("\n"), *view]) + "\n"
+
+
+def prompt_view(module: Module) -> list[str]:
+    """A table of the prompt's segments: tokens, prior, and what the latest stage does with them."""
+    if module.prompt is None:
+        if not module.evidence:
+            return []
+        rows = [("passage", "prior")] + [(f"%{e.id}", f"{e.prior:.3f}") for e in module.evidence]
+        return _table("passages by prior (ground)", rows)
+    prior = {e.id: e.prior for e in module.evidence}
+    keeps = {}
+    for k in module.keep:
+        if k.id is not None:
+            keeps[k.id] = k.why
+    rows = [("segment", "kind", "tokens", "prior", "kept")]
+    for seg in module.segment:
+        span = module.spans_by_id()[seg.id].tokens
+        status = "-" if module.select is None else keeps.get(seg.id, "dropped")
+        p = f"{prior[seg.id]:.3f}" if seg.id in prior else ""
+        rows.append((f"%{seg.id}", seg.kind, f"{span.start}..{span.end}", p, status))
+    lines = _table(f"prompt: {module.prompt.tokens} tokens", rows)
+    if module.select is not None:
+        kept = union(k.tokens for k in module.keep)
+        lines.append(f"# select: {module.select.kept} of {module.prompt.tokens} tokens kept "
+                     f"({module.select.mandatory} mandatory), budget {module.select.budget}; "
+                     f"kept ranges " + " ".join(f"{r.start}..{r.end}" for r in kept))
+    if module.pages is not None:
+        p = module.pages
+        width = sum(len(r) for r in p.selected)
+        lines.append(f"# pages: {width} of {p.blocks} blocks of {p.block_size} tokens, "
+                     f"{p.visible} visible tokens, s = {p.retained:.3f}; map: {_block_map(module)}")
+    if module.cost is not None:
+        c = module.cost
+        verdict = "pays off" if c.pays else "predicted loss: runtime falls back to full context" \
+            if module.fallback.on_predicted_loss else "predicted loss"
+        lines.append(f"# cost: k={c.k} h={c.h} batch={c.batch} -> predicted speedup "
+                     f"{c.speedup:.3f}x ({verdict})")
+    return lines
+
+
+def _block_map(module: Module, width: int = 64) -> str:
+    """One character per group of blocks: '#' all selected, '+' some, '.' none."""
+    p = module.pages
+    chosen = [False] * p.blocks
+    for r in p.selected:
+        for b in range(r.start, r.end):
+            chosen[b] = True
+    group = max(1, -(-p.blocks // width))
+    out = []
+    for i in range(0, p.blocks, group):
+        part = chosen[i:i + group]
+        out.append("#" if all(part) else "+" if any(part) else ".")
+    return "".join(out)
+
+
+def _table(title: str, rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [f"# {title}"]
+    for r in rows:
+        lines.append("#   " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return lines

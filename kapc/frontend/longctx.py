@@ -1,0 +1,354 @@
+"""Long contexts the paper's way: a question's own paragraphs, then query-specific hard negatives.
+
+For a HotpotQA question the prompt holds, in this order:
+
+1. the question's own 10 paragraphs (2 gold, 8 distractors) in the dataset's order;
+2. hard negatives: paragraphs of *other* questions, ranked by BM25 similarity to this question,
+   never one whose title equals a title of this question's own paragraphs (gold included).
+
+The negatives come from one ordered list per (question, seed), so the prompt for a longer target
+is a prefix-extension of the prompt for a shorter one. The seed shuffles that list inside
+consecutive blocks of `BLOCK` ranks (hardest negatives stay near the front); `seed=None` keeps
+the pure BM25 rank. A target is in model tokens over the rendered chat prompt (chat template
+included); paragraphs are added while the next one still fits, so the prompt is at most the target
+and short of it by less than one paragraph.
+
+A target below the length of the question's own paragraphs keeps the gold paragraphs and drops
+distractors from the end; such prompts are still deterministic but no longer prefix-nested.
+
+SQuAD 2.0 works the same way with one own paragraph (the one the question was asked on) and
+negatives from the other paragraphs of the dev set (same article included).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kapc.frontend import data
+from kapc.frontend.errors import FrontendError, require
+from kapc.frontend.prompt import (DEFAULT_INSTRUCTION, chat_request, passage_text,
+                                  prompt_tokenizer)
+from kapc.prior import Request, Segment
+
+BLOCK = 8
+BM25_INSTALL = "bm25s==0.3.16"
+
+
+@dataclass(frozen=True)
+class LongContext:
+    """One long-context prompt and what is known of its answer."""
+
+    dataset: str
+    question_id: str
+    question_index: int
+    question: str
+    answers: tuple[str, ...]
+    passages: tuple[data.Paragraph, ...]  # prompt order
+    origins: tuple[str, ...]  # per passage: "gold", "distractor" or "negative"
+    target_tokens: int
+    prompt_tokens: int
+    request: Request
+    seed: int | None
+    model: str
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def passage_ids(self) -> tuple[str, ...]:
+        return tuple(f"p{i}" for i in range(len(self.passages)))
+
+    @property
+    def gold(self) -> tuple[int, ...]:
+        return tuple(i for i, o in enumerate(self.origins) if o == "gold")
+
+    @property
+    def segments(self) -> list[Segment]:
+        """The passage segments, in prompt order."""
+        assert self.request.messages is not None
+        return [s for s in self.request.messages[-1].segments if s.kind == "passage"]
+
+    def meta(self) -> dict:
+        gold_ids = [f"p{i}" for i in self.gold]
+        return {
+            "dataset": self.dataset,
+            "question_id": self.question_id,
+            "question_index": self.question_index,
+            "question": self.question,
+            "answer": self.answers[0] if self.answers else "",
+            "answers": list(self.answers),
+            "gold_titles": [self.passages[i].title for i in self.gold],
+            "gold_passages": gold_ids,
+            "passage_origins": list(self.origins),
+            "context_tokens": self.target_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "model": self.model,
+            "seed": self.seed,
+            **self.extra,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# BM25 over a paragraph pool
+
+def _bm25_tokenize(texts: list[str]):
+    bm25s = require("bm25s", BM25_INSTALL)
+    return bm25s.tokenize(texts, stopwords="en", show_progress=False)
+
+
+def _query_tokens(text: str) -> list[str]:
+    bm25s = require("bm25s", BM25_INSTALL)
+    toks = bm25s.tokenize([text], stopwords="en", return_ids=False, show_progress=False)
+    return list(toks[0]) if toks else []
+
+
+class _Pool:
+    """A paragraph pool with a BM25 index over `title + text`."""
+
+    def __init__(self, paragraphs: tuple[data.Paragraph, ...], retriever) -> None:
+        self.paragraphs = paragraphs
+        self.retriever = retriever
+        self.title_to_ids: dict[str, list[int]] = {}
+        for i, p in enumerate(paragraphs):
+            self.title_to_ids.setdefault(p.title, []).append(i)
+
+    def scores(self, query: str) -> np.ndarray:
+        toks = [t for t in _query_tokens(query) if t in self.retriever.vocab_dict]
+        if not toks:
+            return np.zeros(len(self.paragraphs), dtype=np.float32)
+        return np.asarray(self.retriever.get_scores(toks), dtype=np.float32)
+
+
+def _cache_dir() -> Path:
+    from kapc.models import cache_root
+    return cache_root() / "frontend"
+
+
+def _build_index(paragraphs: tuple[data.Paragraph, ...], label: str, key: str | None):
+    """A BM25 index over the pool, from the on-disk cache when `key` names a saved one."""
+    bm25s = require("bm25s", BM25_INSTALL)
+    where = _cache_dir() / f"bm25-{label}-{key}" if key else None
+    if where is not None and (where / "ok").exists():
+        try:
+            return bm25s.BM25.load(str(where), show_progress=False)
+        except Exception:  # a damaged cache is rebuilt, never trusted
+            shutil.rmtree(where, ignore_errors=True)
+    from kapc.frontend.progress import status
+    with status(f"indexing {len(paragraphs)} {label} paragraphs with BM25 (once)"):
+        tokens = _bm25_tokenize([f"{p.title}\n{p.text}" for p in paragraphs])
+        retriever = bm25s.BM25()
+        retriever.index(tokens, show_progress=False)
+    if where is not None:
+        try:
+            where.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(dir=where.parent, prefix=where.name + "."))
+            retriever.save(str(tmp), show_progress=False)
+            (tmp / "ok").write_text("ok\n")
+            os.replace(tmp, where)
+        except OSError:
+            pass  # the cache is an optimisation only
+    return retriever
+
+
+def _file_key(path: Path) -> str:
+    import bm25s
+    st = path.stat()
+    raw = f"{path.name}:{st.st_size}:{st.st_mtime_ns}:{bm25s.__version__}:v1"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+@functools.cache
+def hotpotqa_pool() -> _Pool:
+    paragraphs, _ = data.hotpotqa_paragraph_pool()
+    key = _file_key(data.data_dir() / "hotpotqa.json")
+    return _Pool(paragraphs, _build_index(paragraphs, "hotpotqa", key))
+
+
+@functools.cache
+def squad_pool() -> _Pool:
+    paragraphs = data.squad_paragraphs()
+    return _Pool(paragraphs, _build_index(paragraphs, "squad", None))
+
+
+def _ordered_negatives(pool: _Pool, query: str, exclude_ids: set[int], exclude_titles: set[str],
+                       seed: int | None, salt: str, dedupe_titles: bool) -> list[int]:
+    """Pool indices of the negatives for one question, in the one fixed order."""
+    scores = pool.scores(query)
+    n = len(scores)
+    idx = np.arange(n)
+    # Rank by score (descending), ties by pool position: fully deterministic.
+    order = np.lexsort((idx, -scores))
+    positive = [int(i) for i in order if scores[i] > 0]
+    rest = [int(i) for i in order if scores[i] <= 0]
+    # Paragraphs that share no term with the question come last, in a seeded order.
+    random.Random(f"{seed}:{salt}:rest").shuffle(rest)
+    out: list[int] = []
+    seen_titles = set(exclude_titles)
+    for i in positive + rest:
+        if i in exclude_ids:
+            continue
+        title = pool.paragraphs[i].title
+        if title in seen_titles:
+            continue
+        if dedupe_titles:
+            seen_titles.add(title)
+        out.append(i)
+    if seed is not None:
+        rng = random.Random(f"{seed}:{salt}:blocks")
+        for start in range(0, len(out), BLOCK):
+            block = out[start:start + BLOCK]
+            rng.shuffle(block)
+            out[start:start + BLOCK] = block
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _hotpot_negatives(index: int, seed: int | None) -> tuple[int, ...]:
+    q = data.hotpotqa_question(index=index)
+    pool = hotpotqa_pool()
+    # The question's own titles (gold and distractors) never come back as negatives; nor does a
+    # second paragraph under a title already used.
+    own_titles = {p.title for p in q.paragraphs}
+    return tuple(_ordered_negatives(pool, q.question, set(), own_titles, seed,
+                                    f"hotpotqa:{q.id}", dedupe_titles=True))
+
+
+@functools.lru_cache(maxsize=4096)
+def _squad_negatives(index: int, seed: int | None) -> tuple[int, ...]:
+    q = data.squad_question(index=index)
+    pool = squad_pool()
+    # SQuAD titles name articles: other paragraphs of the same article are fair negatives.
+    return tuple(_ordered_negatives(pool, q.question, {q.paragraph}, set(), seed,
+                                    f"squad:{q.id}", dedupe_titles=False))
+
+
+# ---------------------------------------------------------------------------------------------
+# Fitting a target length
+
+def _segments(paragraphs: list[data.Paragraph]) -> list[Segment]:
+    return [Segment(text=passage_text(p.title, p.text), kind="passage", id=f"p{i}", title=p.title)
+            for i, p in enumerate(paragraphs)]
+
+
+def _fit(base: list[data.Paragraph], base_origins: list[str], negatives, question: str,
+         target: int, model: str | None, instruction: str):
+    """Longest prefix of `base + negatives` whose rendered prompt fits `target` tokens."""
+    pt = prompt_tokenizer(model)
+
+    def total(paragraphs: list[data.Paragraph]) -> int:
+        return pt.request_tokens(chat_request(_segments(paragraphs), question, instruction))
+
+    base_tokens = total(base)
+    if base_tokens > target:
+        # Keep gold, drop distractors from the end until it fits.
+        keep = list(range(len(base)))
+        for j in reversed(range(len(base))):
+            if base_origins[j] == "gold":
+                continue
+            keep.remove(j)
+            if total([base[k] for k in keep]) <= target:
+                break
+        chosen = [base[k] for k in keep]
+        n = total(chosen)
+        if n > target:
+            raise FrontendError(
+                f"the question's gold paragraphs alone take {n} tokens, more than the target "
+                f"{target}; ask for at least {n} context tokens")
+        return chosen, [base_origins[k] for k in keep], n
+    # Estimate with per-passage counts (a passage costs about one token more in context, where
+    # its blank line splits from the next title), then settle exactly by bisection.
+    negs: list[data.Paragraph] = []
+    estimate = base_tokens
+    counts_iter = iter(negatives)
+    chunk: list[data.Paragraph] = []
+    exhausted = False
+    while estimate <= target * 1.02 + 64 and not exhausted:
+        chunk = []
+        for p in counts_iter:
+            chunk.append(p)
+            if len(chunk) == 32:
+                break
+        if not chunk:
+            exhausted = True
+            break
+        lens = pt.count_many([passage_text(p.title, p.text) for p in chunk])
+        for p, k in zip(chunk, lens):
+            negs.append(p)
+            estimate += k + 1
+            if estimate > target * 1.02 + 64:
+                break
+    lo, hi = 0, len(negs)  # invariant: lo negatives fit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if total(base + negs[:mid]) <= target:
+            lo = mid
+        else:
+            hi = mid - 1
+    chosen = base + negs[:lo]
+    return chosen, base_origins + ["negative"] * lo, total(chosen)
+
+
+def _check_target(context_tokens: int) -> None:
+    if context_tokens <= 0:
+        raise FrontendError(f"context tokens must be positive, got {context_tokens}")
+
+
+def build_hotpotqa(index: int | None = None, context_tokens: int = 4096, *, qid: str | None = None,
+                   seed: int | None = 0, model: str | None = None,
+                   instruction: str = DEFAULT_INSTRUCTION) -> LongContext:
+    """The long-context prompt for HotpotQA dev question `index` (or `qid`) at `context_tokens`."""
+    _check_target(context_tokens)
+    q = data.hotpotqa_question(index=index, qid=qid)
+    gold = set(q.gold_titles)
+    base = list(q.paragraphs)
+    origins = ["gold" if p.title in gold else "distractor" for p in base]
+    pool = hotpotqa_pool()
+
+    def negatives():
+        for i in _hotpot_negatives(q.index, seed):
+            yield pool.paragraphs[i]
+
+    chosen, chosen_origins, n = _fit(base, origins, negatives(), q.question, context_tokens, model,
+                                     instruction)
+    segs = _segments(chosen)
+    pt = prompt_tokenizer(model)
+    return LongContext(
+        dataset="hotpotqa", question_id=q.id, question_index=q.index, question=q.question,
+        answers=(q.answer,), passages=tuple(chosen), origins=tuple(chosen_origins),
+        target_tokens=context_tokens, prompt_tokens=n,
+        request=chat_request(segs, q.question, instruction), seed=seed, model=pt.model,
+        extra={"type": q.type, "level": q.level,
+               "supporting_facts": [[t, k] for t, k in q.supporting_facts]})
+
+
+def build_squad(index: int | None = None, context_tokens: int = 4096, *, qid: str | None = None,
+                seed: int | None = 0, model: str | None = None,
+                instruction: str = DEFAULT_INSTRUCTION) -> LongContext:
+    """The long-context prompt for SQuAD 2.0 dev question `index` (or `qid`) at `context_tokens`:
+    the question's paragraph first, then BM25-ranked negatives from the rest of the dev set."""
+    _check_target(context_tokens)
+    q = data.squad_question(index=index, qid=qid)
+    paragraphs = data.squad_paragraphs()
+    base = [paragraphs[q.paragraph]]
+    pool = squad_pool()
+
+    def negatives():
+        for i in _squad_negatives(q.index, seed):
+            yield pool.paragraphs[i]
+
+    chosen, origins, n = _fit(base, ["gold"], negatives(), q.question, context_tokens, model,
+                              instruction)
+    pt = prompt_tokenizer(model)
+    return LongContext(
+        dataset="squad", question_id=q.id, question_index=q.index, question=q.question,
+        answers=q.answers, passages=tuple(chosen), origins=tuple(origins),
+        target_tokens=context_tokens, prompt_tokens=n,
+        request=chat_request(_segments(chosen), q.question, instruction), seed=seed,
+        model=pt.model, extra={"is_impossible": q.is_impossible, "article": q.title})

@@ -1,0 +1,53 @@
+"""Lower a compacted module to `.kapb` bytes.
+
+The prompt is rendered and tokenized again (memoised in the compile context, so `kapc compile`
+tokenizes once) and must hash to what `align-spans` recorded: a `.kap` edited by hand, or one
+aligned with another tokenizer, cannot slip through."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kapc import __version__
+from kapc.ir import Module
+from kapc.lower.kapb import CostPrediction, FallbackPolicy, PlanHeader, encode_plan
+from kapc.passes.base import CompileContext
+from kapc.errors import KapcError
+
+
+class LowerError(KapcError):
+    pass
+
+
+def lower_module(module: Module, ctx: CompileContext) -> bytes:
+    if "compact" not in module.kap.passes:
+        raise LowerError(f"cannot lower module {module.kap.name!r}: it has not been through "
+                         f"`compact` (passes so far: {', '.join(module.kap.passes) or 'none'})")
+    assets, target = ctx.assets, module.target
+    if target.fingerprint != assets.fingerprint or target.tokenizer != assets.tokenizer_fingerprint:
+        raise LowerError(f"module {module.kap.name!r} was aligned for model {target.model} "
+                         f"({target.fingerprint[:19]}), but the model given is {assets.name} "
+                         f"({assets.fingerprint[:19]}); pass --model for the model it was made for")
+    _, tokens = ctx.tokenize.prompt(module)
+    if tokens.hash != module.prompt.hash:
+        raise LowerError(f"module {module.kap.name!r}: the prompt tokenizes to {tokens.hash[:19]}, "
+                         f"not the {module.prompt.hash[:19]} recorded by align-spans (was the text edited?)")
+
+    pages, bs, n = module.pages, module.pages.block_size, module.prompt.tokens
+    blocks = np.concatenate([np.arange(r.start, r.end, dtype=np.int32) for r in pages.selected])
+    positions = (blocks[:, None] * bs + np.arange(bs, dtype=np.int32)).ravel()
+    positions = positions[positions < n]
+    c, f = module.cost, module.fallback
+    header = PlanHeader(
+        name=module.kap.name, kapc_version=__version__, model=target.model,
+        model_fingerprint=target.fingerprint, tokenizer_fingerprint=target.tokenizer,
+        template_fingerprint=target.template, block_size=bs, prompt_tokens=n,
+        prompt_hash=module.prompt.hash, visible_prompt_tokens=pages.visible,
+        retained_ratio=pages.retained, padded_blocks=module.view.padded_blocks,
+        k=module.verify.k, accept=module.verify.accept,
+        fallback=FallbackPolicy(max_retained=f.max_retained, min_acceptance=f.min_acceptance,
+                                acceptance_window=f.acceptance_window,
+                                on_predicted_loss=f.on_predicted_loss),
+        cost=CostPrediction(weight_bytes=c.weight_bytes, kv_bytes=c.kv_bytes, batch=c.batch, s=c.s,
+                            h=c.h, k=c.k, speedup=c.speedup, pays=c.pays))
+    return encode_plan(header, tokens.ids, blocks, positions)

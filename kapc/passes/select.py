@@ -1,0 +1,91 @@
+"""select: choose evidence units under a KV budget, keeping what decoding always needs.
+
+Reads `evidence`, `prompt` and `span`. Always kept (mandatory): the first `sink` tokens (attention
+sinks), every segment that is not a passage (instruction, question, free text), the chat template's
+own tokens between segments, and the last `window` tokens. Passages are then taken whole, best
+prior first (ties: earlier passage first), while they fit in what is left of the budget; a passage
+that does not fit is skipped and smaller ones further down may still go in. Units, not pages: pages
+are `resolve-pages`' business.
+
+The budget is `budget-tokens`, or `budget-ratio` of the prompt when that is not given. A budget
+that covers the whole prompt, or one below the mandatory tokens, is an error: both mean a plan
+cannot help.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import msgspec
+import numpy as np
+
+from kapc import ir
+from kapc.intervals import union
+from kapc.passes.base import CompileContext, Pass, PassError
+
+
+@dataclasses.dataclass(frozen=True)
+class Select(Pass):
+    name = "select"
+    requires = ("ground", "align-spans")
+    budget_tokens: int = 0  # 0: use budget-ratio
+    budget_ratio: float = 0.2
+    sink: int = 4
+    window: int = 32
+
+    def budget(self, prompt_tokens: int) -> int:
+        if self.budget_tokens:
+            return self.budget_tokens
+        return math.floor(self.budget_ratio * prompt_tokens)
+
+    def run(self, module: ir.Module, ctx: CompileContext) -> ir.Module:
+        n = module.prompt.tokens
+        if self.budget_tokens < 0 or not 0.0 < self.budget_ratio <= 1.0:
+            raise PassError("select: budget-tokens must be positive and budget-ratio within (0, 1]")
+        budget = self.budget(n)
+        if budget >= n:
+            raise PassError(
+                f"select: the budget of {budget} tokens is not below the prompt's {n} tokens, so the "
+                f"plan would read the whole KV cache; lower the budget or decode without a plan")
+
+        spans = module.spans_by_id()
+        keeps: list[ir.Keep] = [ir.Keep(tokens=ir.Range(0, min(self.sink, n)), why="sink")]
+        for seg in module.segment:
+            if seg.kind != "passage":
+                keeps.append(ir.Keep(id=seg.id, tokens=spans[seg.id].tokens, why=seg.kind))
+        # Template tokens: whatever no segment covers (role headers, separators, generation prompt).
+        pos = 0
+        for r in union(s.tokens for s in module.span):
+            if r.start > pos:
+                keeps.append(ir.Keep(tokens=ir.Range(pos, r.start), why="template"))
+            pos = r.end
+        if pos < n:
+            keeps.append(ir.Keep(tokens=ir.Range(pos, n), why="template"))
+        keeps.append(ir.Keep(tokens=ir.Range(max(0, n - self.window), n), why="window"))
+        # A token mask keeps the greedy loop linear in the prompt length (5,000 units at 128K tokens).
+        mask = np.zeros(n, dtype=bool)
+        for k in keeps:
+            mask[k.tokens.start:k.tokens.end] = True
+        mandatory = int(mask.sum())
+        if mandatory > budget:
+            raise PassError(
+                f"select: the budget of {budget} tokens is below the {mandatory} tokens that must stay "
+                f"visible (attention sink, instruction, question, template, recent window); raise the "
+                f"budget or shrink sink/window")
+
+        order = sorted(enumerate(module.evidence), key=lambda ie: (-ie[1].prior, ie[0]))
+        dropped = []
+        used = mandatory
+        for _, ev in order:
+            span = spans[ev.id].tokens
+            cost = len(span) - int(np.count_nonzero(mask[span.start:span.end]))
+            if used + cost <= budget:
+                keeps.append(ir.Keep(id=ev.id, tokens=span, why="evidence", prior=ev.prior))
+                mask[span.start:span.end] = True
+                used += cost
+            else:
+                dropped.append(ev.id)
+        keeps.sort(key=lambda k: (k.tokens.start, k.tokens.end))
+        select = ir.Select(budget=budget, kept=used, mandatory=mandatory, dropped=tuple(dropped))
+        return msgspec.structs.replace(module, select=select, keep=tuple(keeps))

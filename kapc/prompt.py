@@ -1,0 +1,141 @@
+"""Render a module's request into the one logical prompt and tokenize it, with character offsets.
+
+Shared by the `align-spans` pass (which maps spans) and lowering (which needs the token ids), so
+that both see exactly the same prompt. The chat template is rendered with jinja2 the way Hugging
+Face's `apply_chat_template` does (sandboxed, trim_blocks, lstrip_blocks, generation prompt on);
+a test checks the result against transformers itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import hashlib
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from kapc.ir import Module
+from kapc.models import ModelAssets
+from kapc.errors import KapcError
+
+
+class PromptError(KapcError):
+    pass
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    text: str
+    segment_chars: dict[str, tuple[int, int]]  # segment id -> [start, end) in `text`
+
+
+@dataclass(frozen=True)
+class Tokens:
+    ids: np.ndarray  # int32
+    starts: np.ndarray  # char offset where each token starts
+    ends: np.ndarray  # char offset where each token ends
+
+    def span_of(self, start: int, end: int) -> tuple[int, int]:
+        """Tokens that overlap characters [start, end). An empty character range maps to the empty
+        token range at the token that starts there."""
+        first = int(np.searchsorted(self.ends, start, side="right"))
+        last = int(np.searchsorted(self.starts, end, side="left"))
+        return first, max(first, last)
+
+    @functools.cached_property
+    def hash(self) -> str:
+        return "sha256:" + hashlib.sha256(self.ids.astype("<i4").tobytes()).hexdigest()
+
+
+def render(module: Module, assets: ModelAssets) -> RenderedPrompt:
+    segments = module.segment
+    if module.kap.request == "raw":
+        text, pos, chars = [], 0, {}
+        for seg in segments:
+            chars[seg.id] = (pos, pos + len(seg.text))
+            text.append(seg.text)
+            pos += len(seg.text)
+        return RenderedPrompt("".join(text), chars)
+
+    if not assets.chat_template:
+        raise PromptError(f"model {assets.name} has no chat template; use a raw request")
+    messages: list[dict] = []
+    owners: list[list] = []
+    for seg in segments:
+        if not messages or seg.message != len(messages) - 1:
+            if seg.message != len(messages):
+                raise PromptError(f"segment %{seg.id}: message index {seg.message} out of order")
+            messages.append({"role": seg.role, "content": ""})
+            owners.append([])
+        messages[-1]["content"] += seg.text
+        owners[-1].append(seg)
+    text = _template(assets.chat_template).render(
+        messages=messages, add_generation_prompt=True, **assets.special)
+
+    # Find each message's content in the rendered text, in order; a template that rewrites content
+    # (strips it, say) would make character spans meaningless, so that is an error.
+    chars, cursor = {}, 0
+    for msg, segs in zip(messages, owners):
+        at = text.find(msg["content"], cursor)
+        if at < 0:
+            raise PromptError(f"the chat template of {assets.name} changes the content of a "
+                              f"{msg['role']} message, so passage spans cannot be located")
+        pos = at
+        for seg in segs:
+            chars[seg.id] = (pos, pos + len(seg.text))
+            pos += len(seg.text)
+        cursor = pos
+    return RenderedPrompt(text, chars)
+
+
+@functools.lru_cache(maxsize=4)
+def _template(source: str):
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise PromptError(f"chat template: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer(tokenizer_json: bytes):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(tokenizer_json.decode())
+
+
+class Tokenization:
+    """Tokenizes prompts with one model's tokenizer, remembering recent results: `explain` and
+    `compile` render the same prompt more than once, and benchmarks time the passes apart from
+    tokenization by warming this first."""
+
+    def __init__(self, assets: ModelAssets):
+        self.assets = assets
+        self._memo: dict[tuple[str, bool], Tokens] = {}
+
+    def __call__(self, text: str, add_special_tokens: bool) -> Tokens:
+        key = (text, add_special_tokens)
+        hit = self._memo.get(key)
+        if hit is None:
+            enc = _tokenizer(self.assets.tokenizer_json).encode(text, add_special_tokens=add_special_tokens)
+            offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+            hit = Tokens(np.asarray(enc.ids, dtype=np.int32), offsets[:, 0].copy(), offsets[:, 1].copy())
+            if len(self._memo) > 16:
+                self._memo.clear()
+            self._memo[key] = hit
+        return hit
+
+    def prompt(self, module: Module) -> tuple[RenderedPrompt, Tokens]:
+        rendered = render(module, self.assets)
+        # A chat template already writes every special token it wants; raw prompts get the
+        # tokenizer's own (BOS, if it adds one), as Hugging Face does for plain text.
+        return rendered, self(rendered.text, add_special_tokens=module.kap.request == "raw")

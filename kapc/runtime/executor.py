@@ -1,0 +1,517 @@
+"""The reference executor: full-context decoding and selected-KV self-speculative plan decoding,
+batched, over the paged KV cache.
+
+One decoding *cycle* for a batch:
+
+1. **Proposal** (rows in plan mode): the same model runs k draft steps, ONE batched forward per
+   step for all plan rows. Each row attends over its compact view: the plan's visible prompt
+   positions plus every committed generated token, mapped through the row's own block table, at
+   their TRUE logical positions. The compact K/V is gathered from the pool once per cycle (per
+   layer, at draft step 0) into a private scratch buffer; each draft step appends its own K/V to
+   that buffer. Drafts never touch the pool, so committed state cannot be corrupted.
+2. **Verification** (every active row): ONE full-context forward over the carry token plus the
+   row's drafts writes their K/V into the row's own slots (positions c .. c+k) and scores them.
+   A prefix of drafts is accepted (`greedy`: equal to the full-context argmax, lossless;
+   `topN`: within the full-context top N), the full-context argmax after that prefix is emitted
+   too (bonus/correction), and the committed length advances past the carry and the accepted
+   drafts, whose K/V that same pass wrote. K/V written for rejected drafts lies past the committed
+   length and is overwritten by the next verification before anything reads it.
+
+Full-context decoding is the same loop with no proposal (a verification of the carry alone).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kapc.lower.kapb import Plan, PlanMismatch, check_plan_matches, prompt_hash
+from kapc.runtime.model import RuntimeModel
+from kapc.runtime.paged_kv import NULL_BLOCK, PagedKVCache, Workspace
+
+__all__ = ["Executor", "Request", "RequestResult", "BatchStats", "parse_accept", "PlanMismatch"]
+
+
+def parse_accept(rule: str) -> int:
+    """'greedy' -> 1, 'top3' -> 3."""
+    if rule == "greedy":
+        return 1
+    if rule.startswith("top") and rule[3:].isdigit() and int(rule[3:]) >= 1:
+        return int(rule[3:])
+    raise ValueError(f"unknown acceptance rule {rule!r} (greedy or topN, e.g. top3)")
+
+
+@dataclass
+class Request:
+    prompt_ids: object  # sequence of ints / int array
+    plan: Plan | None = None
+    max_tokens: int = 128
+    accept: str | None = None  # overrides the plan's rule
+    k: int | None = None  # overrides the plan's proposal length
+    req_id: object = None
+
+
+@dataclass
+class RequestResult:
+    req_id: object
+    tokens: list[int]
+    finish_reason: str  # "eos" or "length"
+    mode: str  # "plan" (ran the plan, possibly falling back midway) or "full"
+    fallback_reason: str | None
+    prompt_tokens: int
+    visible_prompt_tokens: int
+    retained_ratio: float | None  # executed s (visible prompt tokens / prompt tokens)
+    plan_retained_ratio: float | None
+    accept: str | None
+    k: int
+    proposed: int
+    accepted: int
+    cycles: int  # decoding cycles after prefill
+    plan_cycles: int  # cycles that ran a proposal
+    decode_tokens: int  # tokens emitted by the cycles (all tokens but the prefill's)
+    prefill_s: float
+    speedup_predicted: float | None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def tokens_per_cycle(self) -> float | None:
+        return self.decode_tokens / self.cycles if self.cycles else None
+
+
+@dataclass
+class BatchStats:
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    proposal_s: float = 0.0
+    verify_s: float = 0.0
+    gather_s: float = 0.0  # K/V gathers (inside proposal and verification)
+    cycles: int = 0
+    draft_forwards: int = 0
+    verify_forwards: int = 0
+    decode_tokens: int = 0
+
+    @property
+    def other_s(self) -> float:
+        return max(0.0, self.decode_s - self.proposal_s - self.verify_s)
+
+    def as_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["other_s"] = self.other_s
+        d["decode_tok_per_s"] = self.decode_tokens / self.decode_s if self.decode_s else None
+        return d
+
+
+@dataclass
+class _Seq:
+    sid: int
+    req: Request
+    prompt: torch.Tensor  # long [P] on device
+    P: int
+    max_tokens: int
+    mode: str
+    accept: str | None
+    topn: int
+    k: int
+    fallback_reason: str | None = None
+    visible_slots: torch.Tensor | None = None  # compact prompt slots (plan rows)
+    visible_prompt_tokens: int = 0
+    c: int = 0  # committed KV length
+    carry: int = -1  # last emitted token, not yet in the KV cache
+    out: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str = "length"
+    proposed: int = 0
+    accepted: int = 0
+    cycles: int = 0
+    plan_cycles: int = 0
+    recent: deque | None = None
+    prefill_s: float = 0.0
+    ran_plan: bool = False
+
+
+class Executor:
+    """Batched decoding over a paged KV cache. `block_size` must equal the plans' block size."""
+
+    def __init__(self, model: RuntimeModel, block_size: int = 16, kv_blocks: int | None = None,
+                 kv_cache_gib: float = 2.0, prefill_chunk: int = 512, prefix_cache: bool = False,
+                 honor_predicted_loss: bool = True, on_mismatch: str = "raise"):
+        self.m = model
+        self.block_size = block_size
+        if kv_blocks is None:
+            per_block = model.kv_bytes_per_token() * block_size
+            kv_blocks = max(4, int(kv_cache_gib * 2**30 // per_block))
+        self.cache = PagedKVCache(model.num_layers, model.kv_heads, model.head_dim, block_size,
+                                  kv_blocks, model.device, model.dtype)
+        self.ws = Workspace(model.device, model.dtype)
+        self.prefill_chunk = prefill_chunk
+        self.prefix_cache = prefix_cache
+        self.honor_predicted_loss = honor_predicted_loss
+        if on_mismatch not in ("raise", "fallback"):
+            raise ValueError("on_mismatch is 'raise' or 'fallback'")
+        self.on_mismatch = on_mismatch
+        self._ids = itertools.count(1)
+        self._prefixes: dict[str, tuple[int, int]] = {}  # prompt hash -> (cache sid, first token)
+        self.groups = model.num_heads // model.kv_heads
+        self._gather_s = 0.0
+
+    # ---- public API ---------------------------------------------------------------------------
+    def generate(self, requests: list[Request]) -> tuple[list[RequestResult], BatchStats]:
+        """Decode a batch. Requests with a plan run it (or fall back); others decode full-context."""
+        stats = BatchStats()
+        seqs = [self._admit(r, i) for i, r in enumerate(requests)]
+        try:
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                for s in seqs:
+                    self._prefill(s)
+                stats.prefill_s = time.perf_counter() - t0
+                self._decode(seqs, stats)
+        finally:
+            for s in seqs:
+                if s.sid in self.cache.tables:
+                    self.cache.free(s.sid)
+        return [self._result(s) for s in seqs], stats
+
+    def full(self, prompts, max_tokens: int = 128):
+        """Full-context greedy decoding of token-id prompts (the baseline)."""
+        return self.generate([Request(prompt_ids=p, max_tokens=max_tokens) for p in prompts])
+
+    def clear_prefix_cache(self) -> None:
+        for sid, _ in self._prefixes.values():
+            self.cache.free(sid)
+        self._prefixes.clear()
+
+    # ---- admission ----------------------------------------------------------------------------
+    def _admit(self, r: Request, i: int) -> _Seq:
+        ids = np.asarray(r.prompt_ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("empty prompt")
+        if r.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        prompt = torch.from_numpy(ids.copy()).to(self.m.device)
+        P = int(ids.size)
+        plan = r.plan
+        s = _Seq(sid=next(self._ids), req=r, prompt=prompt, P=P, max_tokens=r.max_tokens,
+                 mode="full", accept=None, topn=1, k=0)
+        if r.req_id is None:
+            r.req_id = i
+        if plan is None:
+            return s
+        h = plan.header
+        s.accept = r.accept or h.accept
+        s.topn = parse_accept(s.accept)
+        s.k = int(r.k if r.k is not None else h.k)
+        try:
+            check_plan_matches(plan, model_fingerprint=self.m.fingerprint,
+                               block_size=self.block_size, prompt_token_ids=ids.astype(np.int32))
+        except PlanMismatch as exc:
+            if self.on_mismatch == "raise":
+                raise
+            s.fallback_reason = f"plan refused: {exc}"
+            return s
+        pos = np.asarray(plan.positions, dtype=np.int64)
+        if pos.size == 0 or pos.min() < 0 or pos.max() >= P or np.unique(pos).size != pos.size:
+            raise PlanMismatch(f"plan {h.name!r}: visible positions are not distinct prompt "
+                               f"positions in [0, {P})")
+        s.visible_prompt_tokens = int(pos.size)
+        s._positions = torch.from_numpy(pos).to(self.m.device)
+        fb = h.fallback
+        if s.k < 1:
+            s.fallback_reason = f"proposal length k={s.k}"
+        elif h.retained_ratio > fb.max_retained:
+            s.fallback_reason = (f"retained ratio {h.retained_ratio:.3f} exceeds the plan's "
+                                 f"max_retained {fb.max_retained:.3f}")
+        elif (not h.cost.pays) and fb.on_predicted_loss and self.honor_predicted_loss:
+            s.fallback_reason = (f"the cost model predicts no gain (speedup "
+                                 f"{h.cost.speedup:.2f}x at s={h.cost.s:.3f}, h={h.cost.h:.2f}, "
+                                 f"batch {h.cost.batch})")
+        else:
+            s.mode = "plan"
+            s.recent = deque(maxlen=max(1, fb.acceptance_window))
+        return s
+
+    # ---- prefill ------------------------------------------------------------------------------
+    def _prefill(self, s: _Seq) -> None:
+        t0 = time.perf_counter()
+        self.cache.add(s.sid)
+        key = prompt_hash(s.prompt.cpu().numpy().astype(np.int32)) if self.prefix_cache else None
+        if key is not None and key in self._prefixes:
+            src, first = self._prefixes[key]
+            self.cache.fork(src, s.sid, s.P)
+        else:
+            self.cache.ensure(s.sid, s.P)
+            C = self.prefill_chunk
+            logits = None
+            for start in range(0, s.P, C):
+                end = min(s.P, start + C)
+                ids = s.prompt[start:end]
+                pos = torch.arange(start, end, device=self.m.device)
+                last = torch.tensor([end - start - 1], device=self.m.device) \
+                    if end == s.P else torch.zeros(0, dtype=torch.long, device=self.m.device)
+                meta = self._full_meta([(s.sid, start, end - start)])
+                logits = self.m.forward(ids, pos, meta, logits_index=last)
+            first = int(logits[0].argmax())
+            if key is not None:
+                csid = next(self._ids)
+                self.cache.fork(s.sid, csid, s.P)
+                self._prefixes[key] = (csid, first)
+        s.c = s.P
+        s.carry = first
+        s.out.append(first)
+        if s.mode == "plan":
+            s.visible_slots = self.cache.slots(s.sid, s._positions)
+            s.ran_plan = True
+        self._check_stop(s)
+        s.prefill_s = time.perf_counter() - t0
+
+    def _check_stop(self, s: _Seq) -> None:
+        if s.out and s.out[-1] in self.m.eos_ids:
+            s.finished, s.finish_reason = True, "eos"
+        elif len(s.out) >= s.max_tokens:
+            s.finished, s.finish_reason = True, "length"
+
+    # ---- decoding loop ------------------------------------------------------------------------
+    def _decode(self, seqs: list[_Seq], stats: BatchStats) -> None:
+        t_start = time.perf_counter()
+        for s in seqs:
+            if s.finished:
+                self.cache.free(s.sid)
+        while True:
+            active = [s for s in seqs if not s.finished]
+            if not active:
+                break
+            stats.cycles += 1
+            # 1. proposal
+            drafts: dict[int, list[int]] = {}
+            plan_rows = []
+            for s in active:
+                kb = min(s.k, s.max_tokens - len(s.out) - 1) if s.mode == "plan" else 0
+                if kb >= 1:
+                    plan_rows.append((s, kb))
+            if plan_rows:
+                t0 = time.perf_counter()
+                g0 = self._gather_s
+                drafts = self._propose(plan_rows, stats)
+                stats.proposal_s += time.perf_counter() - t0
+                stats.gather_s += self._gather_s - g0
+            # 2. verification (one full-context forward for every active row)
+            t0 = time.perf_counter()
+            g0 = self._gather_s
+            rows, toks, poss = [], [], []
+            for s in active:
+                d = drafts.get(s.sid, [])
+                q = 1 + len(d)
+                self.cache.ensure(s.sid, s.c + q)
+                rows.append((s.sid, s.c, q))
+                toks.append([s.carry] + d)
+                poss.append(range(s.c, s.c + q))
+            dev = self.m.device
+            ids = torch.tensor([t for tt in toks for t in tt], dtype=torch.long, device=dev)
+            pos = torch.tensor([p for pp in poss for p in pp], dtype=torch.long, device=dev)
+            meta = self._full_meta(rows)
+            logits = self.m.forward(ids, pos, meta)
+            maxn = max(s.topn for s in active)
+            if maxn > 1:
+                top = logits.topk(maxn, dim=-1).indices.cpu()
+                target = top[:, 0].tolist()
+            else:
+                top = None
+                target = logits.argmax(-1).cpu().tolist()
+            stats.verify_s += time.perf_counter() - t0
+            stats.verify_forwards += 1
+            stats.gather_s += self._gather_s - g0
+            # 3. acceptance, commit, fallback, stop
+            off = 0
+            for s, tt in zip(active, toks):
+                d = tt[1:]
+                q = len(tt)
+                a = 0
+                while a < len(d):
+                    if s.topn == 1:
+                        ok = d[a] == target[off + a]
+                    else:
+                        ok = d[a] in top[off + a, :s.topn].tolist()
+                    if not ok:
+                        break
+                    a += 1
+                emitted = d[:a] + [target[off + a]]
+                s.cycles += 1
+                if d:
+                    s.plan_cycles += 1
+                    s.proposed += len(d)
+                    s.accepted += a
+                    s.recent.extend([1] * a + [0] * (len(d) - a))
+                s.c += a + 1
+                n0 = len(s.out)
+                for t in emitted:
+                    s.out.append(t)
+                    self._check_stop(s)
+                    if s.finished:
+                        break
+                stats.decode_tokens += len(s.out) - n0
+                s.carry = s.out[-1]
+                off += q
+                if s.mode == "plan" and d and len(s.recent) == s.recent.maxlen:
+                    rate = sum(s.recent) / len(s.recent)
+                    mn = s.req.plan.header.fallback.min_acceptance
+                    if rate < mn:
+                        s.mode = "full"
+                        s.fallback_reason = (f"observed acceptance {rate:.2f} over the last "
+                                             f"{len(s.recent)} proposed tokens is below the "
+                                             f"plan's min_acceptance {mn:.2f}")
+                if s.finished:
+                    self.cache.free(s.sid)
+        stats.decode_s = time.perf_counter() - t_start
+
+    # ---- proposal -----------------------------------------------------------------------------
+    def _propose(self, plan_rows: list[tuple[_Seq, int]], stats: BatchStats) -> dict[int, list[int]]:
+        dev = self.m.device
+        B = len(plan_rows)
+        kmax = max(kb for _, kb in plan_rows)
+        slot_lists, lens = [], []
+        for s, _ in plan_rows:
+            gen = self.cache.slots(s.sid, torch.arange(s.P, s.c, device=dev)) if s.c > s.P else None
+            sl = s.visible_slots if gen is None else torch.cat([s.visible_slots, gen])
+            slot_lists.append(sl)
+            lens.append(sl.numel())
+        Tc = max(lens)
+        W = Tc + kmax
+        index = torch.zeros(B, W, dtype=torch.long, device=dev)  # pads read slot 0 (null block)
+        for b, sl in enumerate(slot_lists):
+            index[b, :sl.numel()] = sl
+        index = index.view(-1)
+        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+        bidx = torch.arange(B, device=dev)
+        kvh, hd, g = self.m.kv_heads, self.m.head_dim, self.groups
+        scale = self.m.scaling
+        cache, ws = self.cache, self.ws
+        step = {"j": 0, "mask": None}
+        col = torch.arange(W, device=dev)
+
+        def attend(layer, q, k, v):
+            j = step["j"]
+            ck = ws.get(f"ck{layer}", (kvh, B * W, hd))
+            cv = ws.get(f"cv{layer}", (kvh, B * W, hd))
+            if j == 0:
+                t0 = time.perf_counter()
+                cache.gather_slots(layer, index, ck, cv)
+                self._gather_s += time.perf_counter() - t0
+            ck4, cv4 = ck.view(kvh, B, W, hd), cv.view(kvh, B, W, hd)
+            cols = lens_t + j
+            ck4[:, bidx, cols] = k.transpose(0, 1).to(ck.dtype)
+            cv4[:, bidx, cols] = v.transpose(0, 1).to(cv.dtype)
+            T = Tc + j + 1
+            K = ck4[:, :, :T].permute(1, 0, 2, 3)
+            V = cv4[:, :, :T].permute(1, 0, 2, 3)
+            Q = q.reshape(B, kvh, g, hd)
+            o = F.scaled_dot_product_attention(Q, K, V, attn_mask=step["mask"], scale=scale)
+            return o.reshape(B, kvh * g * hd)
+
+        tokens = torch.tensor([s.carry for s, _ in plan_rows], dtype=torch.long, device=dev)
+        base = torch.tensor([s.c for s, _ in plan_rows], dtype=torch.long, device=dev)
+        out = []
+        for j in range(kmax):
+            step["j"] = j
+            T = Tc + j + 1
+            allowed = col[:T][None, :] < (lens_t + j + 1)[:, None]  # [B, T]
+            mask = torch.zeros(B, 1, 1, T, dtype=self.m.dtype, device=dev)
+            mask.masked_fill_(~allowed[:, None, None, :], float("-inf"))
+            step["mask"] = mask
+            logits = self.m.forward(tokens, base + j, attend)
+            tokens = logits.argmax(-1)
+            out.append(tokens)
+            stats.draft_forwards += 1
+        drafts = torch.stack(out, 1).cpu().tolist()  # [B, kmax]
+        return {s.sid: drafts[b][:kb] for b, (s, kb) in enumerate(plan_rows)}
+
+    # ---- full-context attention metadata ------------------------------------------------------
+    def _full_meta(self, rows: list[tuple[int, int, int]]):
+        """Attention over each row's whole block table, for packed query tokens: row (sid, c, q)
+        has q new tokens at positions c .. c+q-1 (written into the pool first)."""
+        dev, bs = self.m.device, self.block_size
+        B = len(rows)
+        qmax = max(q for _, _, q in rows)
+        nbmax = max(self.cache.blocks_for(c + q) for _, c, q in rows)
+        T = nbmax * bs
+        blocks = torch.full((B, nbmax), NULL_BLOCK, dtype=torch.long)
+        wslots, pack = [], []
+        for b, (sid, c, q) in enumerate(rows):
+            table = self.cache.tables[sid]
+            nb = self.cache.blocks_for(c + q)
+            blocks[b, :nb] = torch.tensor(table[:nb])
+            for p in range(c, c + q):
+                wslots.append(table[p // bs] * bs + p % bs)
+            pack.extend(range(b * qmax, b * qmax + q))
+        blocks = blocks.view(-1).to(dev)
+        wslots = torch.tensor(wslots, dtype=torch.long, device=dev)
+        need_pack = len(pack) != B * qmax
+        pack_t = torch.tensor(pack, dtype=torch.long, device=dev) if need_pack else None
+        # mask[b, 0, g*qmax + i, t] = 0 where t <= c_b + i, else -inf; padded query rows see col 0
+        g = self.groups
+        c_t = torch.tensor([c for _, c, _ in rows], dtype=torch.long)
+        q_t = torch.tensor([q for _, _, q in rows], dtype=torch.long)
+        i = torch.arange(qmax)
+        t = torch.arange(T)
+        allowed = t[None, None, :] <= (c_t[:, None] + i[None, :])[:, :, None]  # [B, qmax, T]
+        padrow = i[None, :] >= q_t[:, None]  # [B, qmax]
+        allowed = torch.where(padrow[:, :, None], t[None, None, :] == 0, allowed)
+        mask = torch.zeros(B, qmax, T, dtype=self.m.dtype)
+        mask.masked_fill_(~allowed, float("-inf"))
+        mask = mask[:, None, None].expand(B, 1, g, qmax, T).reshape(B, 1, g * qmax, T).to(dev)
+        kvh, hd, nh = self.m.kv_heads, self.m.head_dim, self.m.num_heads
+        cache, ws, scale = self.cache, self.ws, self.m.scaling
+
+        def attend(layer, q, k, v):
+            cache.write(layer, wslots, k, v)
+            kb = ws.get("fk", (kvh, B * nbmax, bs, hd))
+            vb = ws.get("fv", (kvh, B * nbmax, bs, hd))
+            t0 = time.perf_counter()
+            cache.gather_blocks(layer, blocks, kb, vb)
+            self._gather_s += time.perf_counter() - t0
+            K = kb.view(kvh, B, T, hd).permute(1, 0, 2, 3)
+            V = vb.view(kvh, B, T, hd).permute(1, 0, 2, 3)
+            if pack_t is not None:
+                qp = q.new_zeros(B * qmax, nh, hd).index_copy_(0, pack_t, q)
+            else:
+                qp = q
+            Q = qp.view(B, qmax, kvh, g, hd).permute(0, 2, 3, 1, 4).reshape(B, kvh, g * qmax, hd)
+            o = F.scaled_dot_product_attention(Q, K, V, attn_mask=mask, scale=scale)
+            o = o.view(B, kvh, g, qmax, hd).permute(0, 3, 1, 2, 4).reshape(B * qmax, nh * hd)
+            if pack_t is not None:
+                o = o.index_select(0, pack_t)
+            return o
+
+        return attend
+
+    # ---- results ------------------------------------------------------------------------------
+    def _result(self, s: _Seq) -> RequestResult:
+        plan = s.req.plan
+        h = plan.header if plan is not None else None
+        executed_s = s.visible_prompt_tokens / s.P if s.ran_plan else None
+        return RequestResult(
+            req_id=s.req.req_id, tokens=list(s.out), finish_reason=s.finish_reason,
+            mode="plan" if s.ran_plan else "full", fallback_reason=s.fallback_reason,
+            prompt_tokens=s.P, visible_prompt_tokens=s.visible_prompt_tokens if s.ran_plan else s.P,
+            retained_ratio=executed_s, plan_retained_ratio=h.retained_ratio if h else None,
+            accept=s.accept, k=s.k, proposed=s.proposed, accepted=s.accepted, cycles=s.cycles,
+            plan_cycles=s.plan_cycles, decode_tokens=len(s.out) - 1 if s.out else 0,
+            prefill_s=s.prefill_s, speedup_predicted=h.cost.speedup if h else None)
+
+
+def predicted_speedup(weight_bytes: float, kv_bytes: float, batch: int, s: float, h: float,
+                      k: int) -> float:
+    """The memory-bound cost model, per batch: base (1+kh)(W+B*KV), plan k(W+s*B*KV)+(W+B*KV)."""
+    W, KV = weight_bytes, batch * kv_bytes
+    base = (1 + k * h) * (W + KV)
+    plan = k * (W + s * KV) + (W + KV)
+    return base / plan if plan else math.nan

@@ -1,0 +1,24 @@
+"""Every environment switch kapc reads, in one place."""
+
+from __future__ import annotations
+
+import os
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def debug() -> bool:
+    """KAPC_DEBUG=1: show full tracebacks instead of one-paragraph errors."""
+    return _flag("KAPC_DEBUG")
+
+
+def check_roundtrip() -> bool:
+    """KAPC_CHECK_ROUNDTRIP=1: after every pass, print and re-parse the IR and compare."""
+    return _flag("KAPC_CHECK_ROUNDTRIP")
+
+
+def dump_dir() -> str | None:
+    """KAPC_DUMP_DIR=DIR: write the IR after every pass to DIR/<nn>-<pass>.kap."""
+    return os.environ.get("KAPC_DUMP_DIR") or None
