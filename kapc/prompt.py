@@ -37,12 +37,12 @@ class Tokens:
     starts: np.ndarray  # char offset where each token starts
     ends: np.ndarray  # char offset where each token ends
 
-    def span_of(self, start: int, end: int) -> tuple[int, int]:
-        """Tokens that overlap characters [start, end). An empty character range maps to the empty
-        token range at the token that starts there."""
-        first = int(np.searchsorted(self.ends, start, side="right"))
-        last = int(np.searchsorted(self.starts, end, side="left"))
-        return first, max(first, last)
+    def spans_of(self, starts, ends) -> tuple[np.ndarray, np.ndarray]:
+        """For character ranges [start, end): the tokens that overlap each, as [first, last).
+        An empty character range maps to the empty token range where it stands."""
+        first = np.searchsorted(self.ends, np.asarray(starts), side="right")
+        last = np.searchsorted(self.starts, np.asarray(ends), side="left")
+        return first, np.maximum(first, last)
 
     @functools.cached_property
     def hash(self) -> str:
@@ -67,10 +67,11 @@ def render(module: Module, assets: ModelAssets) -> RenderedPrompt:
         if not messages or seg.message != len(messages) - 1:
             if seg.message != len(messages):
                 raise PromptError(f"segment %{seg.id}: message index {seg.message} out of order")
-            messages.append({"role": seg.role, "content": ""})
+            messages.append({"role": seg.role})
             owners.append([])
-        messages[-1]["content"] += seg.text
         owners[-1].append(seg)
+    for msg, segs in zip(messages, owners):
+        msg["content"] = "".join(seg.text for seg in segs)
     text = _template(assets.chat_template).render(
         messages=messages, add_generation_prompt=True, **assets.special)
 
@@ -121,6 +122,7 @@ class Tokenization:
     def __init__(self, assets: ModelAssets):
         self.assets = assets
         self._memo: dict[tuple[str, bool], Tokens] = {}
+        self._rendered: tuple | None = None  # the last (request, segments) rendered, and its result
 
     def __call__(self, text: str, add_special_tokens: bool) -> Tokens:
         key = (text, add_special_tokens)
@@ -135,7 +137,10 @@ class Tokenization:
         return hit
 
     def prompt(self, module: Module) -> tuple[RenderedPrompt, Tokens]:
-        rendered = render(module, self.assets)
+        key = (module.kap.request, module.segment)
+        if self._rendered is None or self._rendered[0] != key:
+            self._rendered = (key, render(module, self.assets))
+        rendered = self._rendered[1]
         # A chat template already writes every special token it wants; raw prompts get the
         # tokenizer's own (BOS, if it adds one), as Hugging Face does for plain text.
         return rendered, self(rendered.text, add_special_tokens=module.kap.request == "raw")

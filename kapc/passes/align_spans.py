@@ -28,14 +28,13 @@ class AlignSpans(Pass):
         if limit and n > limit:
             raise PassError(f"align-spans: the prompt is {n} tokens, longer than {assets.name}'s "
                             f"context of {limit}")
-        spans = []
-        for seg in module.segment:
-            start, end = rendered.segment_chars[seg.id]
-            first, last = tokens.span_of(start, end)
-            spans.append(ir.Span(id=seg.id, chars=ir.Range(start, end), tokens=ir.Range(first, last)))
+        chars = [rendered.segment_chars[seg.id] for seg in module.segment]
+        firsts, lasts = tokens.spans_of([c[0] for c in chars], [c[1] for c in chars])
+        spans = tuple(ir.Span(id=seg.id, chars=ir.Range(*c), tokens=ir.Range(int(f), int(l)))
+                      for seg, c, f, l in zip(module.segment, chars, firsts.tolist(), lasts.tolist()))
         target = ir.Target(model=assets.name, fingerprint=assets.fingerprint,
                            tokenizer=assets.tokenizer_fingerprint, template=assets.template_fingerprint,
                            parameters=assets.parameter_count(),
                            kv_elements_per_token=assets.kv_elements_per_token())
         prompt = ir.Prompt(chars=len(rendered.text), tokens=n, hash=tokens.hash)
-        return msgspec.structs.replace(module, target=target, prompt=prompt, span=tuple(spans))
+        return msgspec.structs.replace(module, target=target, prompt=prompt, span=spans)

@@ -1,0 +1,103 @@
+"""The command line: every command works, `--json` is machine-readable, the compiler stays light."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from kapc.cli import app
+from kapc.lower.kapb import read_plan
+from kapc.parse import parse_file
+from tests.conftest import ROOT, example_priors
+
+PRIOR = example_priors()[0]
+runner = CliRunner()
+
+
+def test_compile_inspect_json(tmp_path):
+    out, kap = tmp_path / "plan.kapb", tmp_path / "plan.kap"
+    result = runner.invoke(app, ["compile", str(PRIOR), "-o", str(out), "--emit-kap", str(kap)])
+    assert result.exit_code == 0, result.output
+    info = json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).output)
+    module = parse_file(kap)
+    assert info["format_version"] == 1
+    assert info["prompt_tokens"] == module.prompt.tokens
+    assert info["block_size"] == module.pages.block_size == 16
+    assert len(info["selected_blocks"]) == sum(len(r) for r in module.pages.selected)
+    assert info["retained_ratio"] == module.pages.retained
+    plan = read_plan(out)
+    assert plan.positions.size == plan.header.visible_prompt_tokens == module.pages.visible
+    # positions are the logical positions of the visible tokens, block by block
+    bs = plan.header.block_size
+    assert set(plan.positions.tolist()) == {p for b in plan.selected_blocks.tolist()
+                                            for p in range(b * bs, (b + 1) * bs) if p < module.prompt.tokens}
+
+
+def test_compile_continues_from_any_stage(tmp_path):
+    """A .kap dumped after `select` compiles to the same plan as the prior itself."""
+    staged = tmp_path / "selected.kap"
+    result = runner.invoke(app, ["explain", str(PRIOR), "--print-after", "select", "--full-text"])
+    staged.write_text(result.output)
+    a, b = tmp_path / "a.kapb", tmp_path / "b.kapb"
+    assert runner.invoke(app, ["compile", str(PRIOR), "-o", str(a)]).exit_code == 0
+    r = runner.invoke(app, ["compile", str(staged), "-o", str(b)])
+    assert r.exit_code == 0, r.output
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_pipeline_options_change_the_plan(tmp_path):
+    small, large = tmp_path / "s.kapb", tmp_path / "l.kapb"
+    for out, budget in ((small, 0.1), (large, 0.4)):
+        r = runner.invoke(app, ["compile", str(PRIOR), "-o", str(out), "--passes",
+                                f"ground,align-spans,select{{budget-ratio={budget}}},"
+                                "resolve-pages{block-size=32},compact{k=4,accept=top3}"])
+        assert r.exit_code == 0, r.output
+    s, l = read_plan(small).header, read_plan(large).header
+    assert s.block_size == l.block_size == 32 and s.k == 4 and s.accept == "top3"
+    assert s.retained_ratio < l.retained_ratio
+
+
+def test_fmt_check_and_rewrite(tmp_path):
+    kap = tmp_path / "x.kap"
+    r = runner.invoke(app, ["explain", str(PRIOR), "--print-after", "ground", "--full-text"])
+    kap.write_text(r.output.replace(" request=chat", "\n   request=chat"))
+    assert runner.invoke(app, ["fmt", "--check", str(kap)]).exit_code == 1
+    assert runner.invoke(app, ["fmt", str(kap)]).exit_code == 0
+    assert runner.invoke(app, ["fmt", "--check", str(kap)]).exit_code == 0
+    assert not kap.read_text().startswith("#")  # comments are not IR; fmt drops them
+
+
+def test_plans_folder_is_canonical_and_valid():
+    r = runner.invoke(app, ["fmt", "--check", str(ROOT / "plans")])
+    assert r.exit_code == 0, r.output
+
+
+def test_schema_prior_is_json_schema():
+    schema = json.loads(runner.invoke(app, ["schema", "prior"]).output)
+    assert schema["$ref"].endswith("/Prior")
+    prior = schema["$defs"]["Prior"]
+    assert {"request", "units", "name"} <= set(prior["properties"])
+    assert prior.get("additionalProperties") is False
+
+
+@pytest.mark.parametrize("cmd", [[], ["compile"], ["explain"], ["inspect"], ["fmt"], ["schema", "prior"]])
+def test_help_everywhere(cmd):
+    r = runner.invoke(app, [*cmd, "--help"])
+    assert r.exit_code == 0 and "Usage" in r.output
+
+
+def test_python_dash_m_and_no_torch_in_the_compiler(tmp_path):
+    out = tmp_path / "p.kapb"
+    code = ("import sys, runpy; sys.argv=['kapc','compile',%r,'-o',%r]\n"
+            "try:\n    runpy.run_module('kapc', run_name='__main__')\n"
+            "except SystemExit as e:\n    assert not e.code, e.code\n"
+            "heavy = sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules)\n"
+            "print('HEAVY', heavy)" % (str(PRIOR), str(out)))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY []" in proc.stdout
+    assert read_plan(out).header.prompt_tokens > 0

@@ -1,0 +1,134 @@
+"""What each pass guarantees, on real HotpotQA priors and the real tokenizer."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kapc.ingest import module_from_prior
+from kapc.intervals import union
+from kapc.pipeline import parse_pipeline, run_pipeline
+from kapc.prior import load_prior
+from tests.conftest import example_priors
+
+CASES = example_priors()
+
+
+def compiled(path, ctx, pipeline="ground,align-spans,select,resolve-pages,compact"):
+    return run_pipeline(module_from_prior(load_prior(path)), parse_pipeline(pipeline), ctx).module
+
+
+@pytest.mark.parametrize("path", CASES, ids=lambda p: p.name.split(".")[0])
+def test_spans_cover_exactly_the_segment_text(path, ctx):
+    m = compiled(path, ctx, "ground,align-spans")
+    rendered, tokens = ctx.tokenize.prompt(m)
+    tok = ctx.tokenize
+    for seg, span in zip(m.segment, m.span):
+        assert rendered.text[span.chars.start:span.chars.end] == seg.text
+        # decoding the span's tokens gives back the segment's text, give or take boundary tokens
+        decoded = "".join(rendered.text[s:e] for s, e in
+                          zip(tokens.starts[span.tokens.start:span.tokens.end],
+                              tokens.ends[span.tokens.start:span.tokens.end]))
+        assert seg.text.strip() in decoded
+    assert m.prompt.tokens == len(tokens.ids) and tok is ctx.tokenize
+
+
+def test_rendering_matches_transformers_chat_template(ctx):
+    """The compiler renders and tokenizes without transformers; it must agree with it exactly."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(ctx.assets.path))
+    for path in CASES:
+        prior = load_prior(path)
+        m = module_from_prior(prior)
+        messages = [{"role": msg.role, "content": "".join(s.text for s in msg.segments)}
+                    for msg in prior.request.messages]
+        ids = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        rendered, tokens = ctx.tokenize.prompt(m)
+        assert rendered.text == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert tokens.ids.tolist() == list(ids)
+
+
+@pytest.mark.parametrize("path", CASES, ids=lambda p: p.name.split(".")[0])
+@pytest.mark.parametrize("ratio", [0.2, 0.35])
+def test_select_respects_budget_and_keeps_what_decoding_needs(path, ratio, ctx):
+    m = compiled(path, ctx, f"ground,align-spans,select{{budget-ratio={ratio}}}")
+    n, sel = m.prompt.tokens, m.select
+    assert sel.kept <= sel.budget == int(ratio * n)
+    kept = union(k.tokens for k in m.keep)
+
+    def inside(r):
+        return any(k.start <= r.start and r.end <= k.end for k in kept)
+
+    spans = m.spans_by_id()
+    assert inside(type(kept[0])(0, 4))  # attention sink
+    assert inside(type(kept[0])(n - 32, n))  # recent window
+    for seg in m.segment:
+        if seg.kind in ("instruction", "question"):
+            assert inside(spans[seg.id].tokens)
+    # greedy by prior: nothing dropped would have fitted... unless a better one took the room first
+    chosen = [k.id for k in m.keep if k.why == "evidence"]
+    prior = {e.id: e.prior for e in m.evidence}
+    assert set(chosen) | set(sel.dropped) == set(prior)
+    best_dropped = max((prior[d] for d in sel.dropped), default=-1)
+    assert chosen and max(prior[c] for c in chosen) >= best_dropped
+
+
+def test_larger_budget_never_keeps_less(ctx):
+    path = CASES[0]
+    small = compiled(path, ctx, "ground,align-spans,select{budget-ratio=0.2}")
+    large = compiled(path, ctx, "ground,align-spans,select{budget-ratio=0.4}")
+    ev = lambda m: {k.id for k in m.keep if k.why == "evidence"}  # noqa: E731
+    assert ev(small) <= ev(large) and large.select.kept >= small.select.kept
+
+
+@pytest.mark.parametrize("bs", [16, 32, 128])
+def test_pages_cover_every_kept_token_and_the_tail(bs, ctx):
+    m = compiled(CASES[0], ctx, f"ground,align-spans,select,resolve-pages{{block-size={bs}}}")
+    p, n = m.pages, m.prompt.tokens
+    selected = {b for r in p.selected for b in range(r.start, r.end)}
+    for k in m.keep:
+        for t in range(k.tokens.start, k.tokens.end):
+            assert t // bs in selected
+    assert (n - 1) // bs in selected
+    assert p.visible == sum(min(bs, n - b * bs) for b in selected)
+    assert p.retained == round(p.visible / n, 6)
+
+
+def test_cost_model_follows_the_formula_and_batching_helps(ctx):
+    m1 = compiled(CASES[0], ctx)
+    m8 = compiled(CASES[0], ctx, "ground,align-spans,select,resolve-pages,compact{batch=8}")
+    c = m1.cost
+    w, kv, s, h, k = c.weight_bytes, c.kv_bytes, c.s, c.h, c.k
+    assert c.speedup == round((1 + k * h) * (w + kv) / (k * (w + s * kv) + w + kv), 4)
+    assert kv == m1.prompt.tokens * m1.target.kv_elements_per_token * 4
+    # the paper's condition: a plan pays exactly when (h - s) KV > (1 - h) W
+    assert c.pays == ((h - s) * kv > (1 - h) * w)
+    assert m8.cost.speedup > m1.cost.speedup  # W is shared by the batch, KV is not
+
+
+def test_passes_never_mutate_their_input(ctx):
+    module = module_from_prior(load_prior(CASES[0]))
+    before = msgspec.json.encode(module)
+    run_pipeline(module, parse_pipeline("ground,align-spans,select,resolve-pages,compact"), ctx)
+    assert msgspec.json.encode(module) == before
+
+
+def test_registry_names_match_the_passes():
+    from kapc.passes import PASSES
+
+    assert all(name == cls.name for name, cls in PASSES.items())
+    assert list(PASSES) == ["ground", "align-spans", "select", "resolve-pages", "compact"]
+
+
+def test_checker_catches_a_broken_invariant(ctx):
+    from kapc.checker import CheckError, check_module
+
+    m = compiled(CASES[0], ctx)
+    broken = msgspec.structs.replace(m, pages=msgspec.structs.replace(m.pages, selected=m.pages.selected[:-1]))
+    with pytest.raises(CheckError, match="tail block"):
+        check_module(broken)
+    over = msgspec.structs.replace(m, select=msgspec.structs.replace(m.select, budget=m.select.kept - 1))
+    with pytest.raises(CheckError, match="over the budget"):
+        check_module(over)
