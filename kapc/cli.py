@@ -18,6 +18,15 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
 schema_app = typer.Typer(no_args_is_help=True, help="Print JSON Schemas of kapc's input formats.")
 app.add_typer(schema_app, name="schema")
 
+
+def _mount_frontend() -> None:
+    from kapc.frontend.cli import prior_app  # typer only at import; models load inside commands
+
+    app.add_typer(prior_app, name="prior")
+
+
+_mount_frontend()
+
 PassesOpt = Annotated[Optional[str], typer.Option(
     "--passes", help="Pipeline, e.g. 'ground,align-spans,select{budget-tokens=1024},"
     "resolve-pages,compact' (default: the default pipeline, less what an input .kap already ran).")]
@@ -188,6 +197,35 @@ def fmt(
     if check and bad:
         raise typer.Exit(1)
     typer.echo(f"{len(files)} file(s) checked" + (", all canonical" if check else ""), err=True)
+
+
+@app.command()
+def run(
+    plan: Annotated[Path, typer.Argument(help="A .kapb plan.")],
+    accept: Annotated[Optional[str], typer.Option(help="greedy (lossless) or top3 (tolerant); default: the plan's.")] = None,
+    k: Annotated[Optional[int], typer.Option("--k", help="Proposal length; default: the plan's.")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 128,
+    compare_full: Annotated[bool, typer.Option(help="Also decode with full context; report both.")] = False,
+    engine: Annotated[str, typer.Option(help="reference (PyTorch executor) or vllm.")] = "reference",
+    model: ModelOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Decode a plan's prompt with the plan (selected-KV proposals, full-context verification)."""
+    if engine == "reference":
+        from kapc.runtime.run import format_report, run_plan_file
+    elif engine == "vllm":
+        from kapc.runtime.run import format_report
+        from kapc.runtime.vllm import run_plan_file_vllm as run_plan_file
+    else:
+        raise KapcError(f"--engine must be reference or vllm, not {engine!r}")
+    result = run_plan_file(plan, accept=accept, k=k, max_tokens=max_tokens, compare_full=compare_full,
+                           model=model)
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    from rich.console import Console
+
+    Console().print(format_report(result))
 
 
 @schema_app.command("prior")
