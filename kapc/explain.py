@@ -34,8 +34,9 @@ def prompt_view(module: Module) -> list[str]:
         if k.id is not None:
             keeps[k.id] = k.why
     rows = [("segment", "kind", "tokens", "prior", "kept")]
+    spans = module.spans_by_id()
     for seg in module.segment:
-        span = module.spans_by_id()[seg.id].tokens
+        span = spans[seg.id].tokens
         status = "-" if module.select is None else keeps.get(seg.id, "dropped")
         p = f"{prior[seg.id]:.3f}" if seg.id in prior else ""
         rows.append((f"%{seg.id}", seg.kind, f"{span.start}..{span.end}", p, status))
