@@ -6,8 +6,10 @@ import importlib
 import importlib.util
 from types import ModuleType
 
+from kapc.errors import KapcError
 
-class FrontendError(RuntimeError):
+
+class FrontendError(KapcError):
     """Data or a frontend's input that cannot be used; the message says why."""
 
 

@@ -263,27 +263,26 @@ def _fit(base: list[data.Paragraph], base_origins: list[str], negatives, questio
                 f"{target}; ask for at least {n} context tokens")
         return chosen, [base_origins[k] for k in keep], n
     # Estimate with per-passage counts (a passage costs about one token more in context, where
-    # its blank line splits from the next title), then settle exactly by bisection.
-    negs: list[data.Paragraph] = []
+    # its blank line splits from the next title), then settle exactly by bisection. `seen` holds
+    # the negatives pulled so far, in order, so nothing pulled is ever skipped.
+    it = iter(negatives)
+    seen: list[data.Paragraph] = []
+    limit = target * 1.02 + 64
     estimate = base_tokens
-    counts_iter = iter(negatives)
-    chunk: list[data.Paragraph] = []
+    n_est = 0
     exhausted = False
-    while estimate <= target * 1.02 + 64 and not exhausted:
-        chunk = []
-        for p in counts_iter:
-            chunk.append(p)
-            if len(chunk) == 32:
+    while estimate <= limit:
+        if n_est == len(seen):
+            chunk = [p for _, p in zip(range(32), it)]
+            if not chunk:
+                exhausted = True
                 break
-        if not chunk:
-            exhausted = True
-            break
-        lens = pt.count_many([passage_text(p.title, p.text) for p in chunk])
-        for p, k in zip(chunk, lens):
-            negs.append(p)
-            estimate += k + 1
-            if estimate > target * 1.02 + 64:
-                break
+            seen.extend(chunk)
+            lens = pt.count_many([passage_text(p.title, p.text) for p in chunk])
+            counts = dict(zip(range(len(seen) - len(chunk), len(seen)), lens))
+        estimate += counts[n_est] + 1
+        n_est += 1
+    negs = seen[:n_est]
     lo, hi = 0, len(negs)  # invariant: lo negatives fit
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -291,8 +290,21 @@ def _fit(base: list[data.Paragraph], base_origins: list[str], negatives, questio
             lo = mid
         else:
             hi = mid - 1
+    if lo == len(negs) and not exhausted:
+        # The estimate ran short (it never has in practice): extend one paragraph at a time.
+        rest = _chain(seen[n_est:], it)
+        for p in rest:
+            if total(base + negs + [p]) > target:
+                break
+            negs.append(p)
+        lo = len(negs)
     chosen = base + negs[:lo]
     return chosen, base_origins + ["negative"] * lo, total(chosen)
+
+
+def _chain(first, rest):
+    yield from first
+    yield from rest
 
 
 def _check_target(context_tokens: int) -> None:

