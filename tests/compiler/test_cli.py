@@ -101,3 +101,15 @@ def test_python_dash_m_and_no_torch_in_the_compiler(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "HEAVY []" in proc.stdout
     assert read_plan(out).header.prompt_tokens > 0
+
+
+def test_dump_dir_writes_every_stage_as_parseable_kap(tmp_path, monkeypatch):
+    dump = tmp_path / "dump"
+    monkeypatch.setenv("KAPC_DUMP_DIR", str(dump))
+    monkeypatch.setenv("KAPC_CHECK_ROUNDTRIP", "1")
+    r = runner.invoke(app, ["compile", str(PRIOR), "-o", str(tmp_path / "p.kapb")])
+    assert r.exit_code == 0, r.output
+    files = sorted(p.name for p in dump.iterdir())
+    assert files == ["00-ground.kap", "01-align-spans.kap", "02-select.kap", "03-resolve-pages.kap",
+                     "04-compact.kap"]
+    assert parse_file(dump / "04-compact.kap").kap.passes[-1] == "compact"
