@@ -23,7 +23,6 @@ Full-context decoding is the same loop with no proposal (a verification of the c
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -166,14 +165,13 @@ class Executor:
 
     # ---- public API ---------------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> tuple[list[RequestResult], BatchStats]:
-        """Decode a batch. Requests with a plan run it (or fall back); others decode full-context."""
+        """Decode a batch: requests with a plan run it (or fall back), others full-context."""
         stats = BatchStats()
         seqs = [self._admit(r, i) for i, r in enumerate(requests)]
         try:
             with torch.inference_mode():
                 t0 = time.perf_counter()
-                for s in seqs:
-                    self._prefill(s)
+                self._prefill_all(seqs)
                 stats.prefill_s = time.perf_counter() - t0
                 self._decode(seqs, stats)
         finally:
@@ -241,30 +239,65 @@ class Executor:
         return s
 
     # ---- prefill ------------------------------------------------------------------------------
-    def _prefill(self, s: _Seq) -> None:
+    def _prefill_all(self, seqs: list[_Seq]) -> None:
+        """Chunked prefill, batched: each forward packs prompt chunks of several requests up to
+        `prefill_chunk` tokens. With the prefix cache on, a prompt seen before is forked."""
         t0 = time.perf_counter()
-        self.cache.add(s.sid)
-        key = prompt_hash(s.prompt.cpu().numpy().astype(np.int32)) if self.prefix_cache else None
-        if key is not None and key in self._prefixes:
+        dev = self.m.device
+        pending, dups, keys = [], [], set()
+        for s in seqs:
+            self.cache.add(s.sid)
+            key = prompt_hash(s.prompt.cpu().numpy().astype(np.int32)) \
+                if self.prefix_cache else None
+            if key is not None and key in self._prefixes:
+                src, first = self._prefixes[key]
+                self.cache.fork(src, s.sid, s.P)
+                self._started(s, first, t0)
+            elif key is not None and key in keys:
+                dups.append((s, key))
+            else:
+                keys.add(key)
+                self.cache.ensure(s.sid, s.P)
+                s.c = 0
+                pending.append((s, key))
+        C = self.prefill_chunk
+        while pending:
+            chosen, total = [], 0
+            for s, key in pending:
+                q = min(C, s.P - s.c)
+                if chosen and total + q > C:
+                    break
+                chosen.append((s, key, q))
+                total += q
+            rows, ids, pos, last, off = [], [], [], [], 0
+            for s, _, q in chosen:
+                rows.append((s.sid, s.c, q))
+                ids.append(s.prompt[s.c:s.c + q])
+                pos.append(torch.arange(s.c, s.c + q, device=dev))
+                if s.c + q == s.P:
+                    last.append(off + q - 1)
+                off += q
+            logits = self.m.forward(torch.cat(ids), torch.cat(pos), self._full_meta(rows),
+                                    logits_index=torch.tensor(last, dtype=torch.long, device=dev))
+            firsts = logits.argmax(-1).tolist()
+            done = set()
+            for s, key, q in chosen:
+                s.c += q
+                if s.c == s.P:
+                    first = firsts.pop(0)
+                    if key is not None:
+                        csid = next(self._ids)
+                        self.cache.fork(s.sid, csid, s.P)
+                        self._prefixes[key] = (csid, first)
+                    self._started(s, first, t0)
+                    done.add(s.sid)
+            pending = [(s, k) for s, k in pending if s.sid not in done]
+        for s, key in dups:
             src, first = self._prefixes[key]
             self.cache.fork(src, s.sid, s.P)
-        else:
-            self.cache.ensure(s.sid, s.P)
-            C = self.prefill_chunk
-            logits = None
-            for start in range(0, s.P, C):
-                end = min(s.P, start + C)
-                ids = s.prompt[start:end]
-                pos = torch.arange(start, end, device=self.m.device)
-                last = torch.tensor([end - start - 1], device=self.m.device) \
-                    if end == s.P else torch.zeros(0, dtype=torch.long, device=self.m.device)
-                meta = self._full_meta([(s.sid, start, end - start)])
-                logits = self.m.forward(ids, pos, meta, logits_index=last)
-            first = int(logits[0].argmax())
-            if key is not None:
-                csid = next(self._ids)
-                self.cache.fork(s.sid, csid, s.P)
-                self._prefixes[key] = (csid, first)
+            self._started(s, first, t0)
+
+    def _started(self, s: _Seq, first: int, t0: float) -> None:
         s.c = s.P
         s.carry = first
         s.out.append(first)
@@ -374,7 +407,8 @@ class Executor:
         stats.decode_s = time.perf_counter() - t_start
 
     # ---- proposal -----------------------------------------------------------------------------
-    def _propose(self, plan_rows: list[tuple[_Seq, int]], stats: BatchStats) -> dict[int, list[int]]:
+    def _propose(self, plan_rows: list[tuple[_Seq, int]],
+                 stats: BatchStats) -> dict[int, list[int]]:
         dev = self.m.device
         B = len(plan_rows)
         kmax = max(kb for _, kb in plan_rows)
@@ -507,11 +541,3 @@ class Executor:
             plan_cycles=s.plan_cycles, decode_tokens=len(s.out) - 1 if s.out else 0,
             prefill_s=s.prefill_s, speedup_predicted=h.cost.speedup if h else None)
 
-
-def predicted_speedup(weight_bytes: float, kv_bytes: float, batch: int, s: float, h: float,
-                      k: int) -> float:
-    """The memory-bound cost model, per batch: base (1+kh)(W+B*KV), plan k(W+s*B*KV)+(W+B*KV)."""
-    W, KV = weight_bytes, batch * kv_bytes
-    base = (1 + k * h) * (W + KV)
-    plan = k * (W + s * KV) + (W + KV)
-    return base / plan if plan else math.nan

@@ -1,4 +1,4 @@
-"""The model the reference executor runs: a Hugging Face Llama-family decoder, driven layer by layer.
+"""The model the reference executor runs: a Hugging Face Llama-family decoder, layer by layer.
 
 The executor needs attention over its own paged KV cache (and over the compact selected-KV view of a
 plan), so it does not call the Hugging Face forward. It runs the model's own modules in order:
@@ -75,6 +75,7 @@ class RuntimeModel:
     name: str
     fingerprint: str
     tokenizer_fingerprint: str
+    template_fingerprint: str
     device: torch.device
     dtype: torch.dtype
     num_layers: int = 0
@@ -187,4 +188,5 @@ def _load_cached(spec: str, device: str, dtype: str | None) -> RuntimeModel:
     tok = AutoTokenizer.from_pretrained(path)
     return RuntimeModel(hf=hf, tokenizer=tok, path=Path(path), name=name,
                         fingerprint=assets.fingerprint,
-                        tokenizer_fingerprint=assets.tokenizer_fingerprint, device=dev, dtype=dt)
+                        tokenizer_fingerprint=assets.tokenizer_fingerprint,
+                        template_fingerprint=assets.template_fingerprint, device=dev, dtype=dt)

@@ -159,7 +159,9 @@ class Workspace:
             n *= s
         buf = self._bufs.get(name)
         if buf is None or buf.numel() < n:
-            buf = torch.empty(max(n, 1), device=self.device, dtype=self.dtype)
+            # headroom: shapes grow by a token per cycle; do not reallocate every cycle
+            size = max(n + n // 2, 1 << 16) if buf is not None else max(n + n // 8, 1 << 12)
+            buf = torch.empty(size, device=self.device, dtype=self.dtype)
             self._bufs[name] = buf
         return buf[:n].view(shape)
 

@@ -1,0 +1,150 @@
+"""Decode throughput of plan decoding against full-context decoding, measured in the same run.
+
+    python -m benchmarks.decode                          # 2K/4K/8K x batch 1/4/8 x 128 tokens
+    python -m benchmarks.decode --contexts 2048 --batches 1,4 --new-tokens 32   # quick
+
+For each context length, real HotpotQA prompts (a question's own ten paragraphs plus hard negatives
+from other questions, up to the length) are prefilled ONCE into the paged KV cache's prefix cache;
+every configuration then forks them, so prefill is not part of what is compared. For each batch
+size it decodes the batch full-context, then under plans that select the gold passages' blocks,
+the instruction (with the attention sink), the question and the tail, and prints: decode
+throughput of both and their ratio, the executed s, the observed acceptance h, the cost model's prediction (with the plan's
+assumed h and with the observed h), whether outputs are identical, and where the time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", type=_ints, default=[2048, 4096, 8192],
+                    help="context lengths in tokens (comma-separated)")
+    ap.add_argument("--batches", type=_ints, default=[1, 4, 8], help="batch sizes")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=6, help="proposal length")
+    ap.add_argument("--accept", default="greedy", help="greedy or topN")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--first-question", type=int, default=0,
+                    help="HotpotQA dev index of the first question (the batch takes consecutive)")
+    ap.add_argument("--model", default=None, help="local Hugging Face folder (default SmolLM2)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from kapc.runtime.executor import Executor, Request
+    from kapc.runtime.model import load_model
+    from kapc.runtime.planning import plan_from_blocks, predicted_speedup
+    from kapc.runtime.prompts import build_long_prompt
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    m = load_model(args.model, device=args.device, dtype=args.dtype)
+    bs, k = args.block_size, args.k
+    nb = max(args.batches)
+    print(f"model {m.name} on {m.device} ({str(m.dtype).replace('torch.', '')}), "
+          f"{torch.get_num_threads()} threads; k={k}, accept={args.accept}, block {bs}, "
+          f"{args.new_tokens} new tokens", flush=True)
+    rows = []
+    for L in args.contexts:
+        t0 = time.perf_counter()
+        prompts = [build_long_prompt(m.tokenizer, args.first_question + i, L) for i in range(nb)]
+        lens = [len(p.token_ids) for p in prompts]
+        per_seq = -(-(max(lens) + args.new_tokens + k + 2 * bs) // bs)
+        ex = Executor(m, block_size=bs, kv_blocks=2 * nb * per_seq + 8, prefix_cache=True,
+                      honor_predicted_loss=False)
+        t1 = time.perf_counter()
+        _, pst = ex.generate([Request(p.token_ids, max_tokens=1) for p in prompts])
+        print(f"\n== context {L}: prompts of {min(lens)}-{max(lens)} tokens (built in "
+              f"{t1 - t0:.1f}s, prefilled once in {pst.prefill_s:.1f}s)", flush=True)
+        for B in args.batches:
+            ps = prompts[:B]
+            full_res, fst = ex.generate([Request(p.token_ids, max_tokens=args.new_tokens)
+                                         for p in ps])
+            plans = [plan_from_blocks(m, p.token_ids,
+                                      p.instruction_blocks(bs) + p.gold_blocks(bs) +
+                                      p.question_blocks(bs),
+                                      block_size=bs, k=k, accept=args.accept, batch=B,
+                                      name=f"hotpotqa-{args.first_question + i}-{L}")
+                     for i, p in enumerate(ps)]
+            plan_res, pst = ex.generate([Request(p.token_ids, plan=pl,
+                                                 max_tokens=args.new_tokens)
+                                         for p, pl in zip(ps, plans)])
+            identical = all(a.tokens == b.tokens for a, b in zip(full_res, plan_res))
+            prop = sum(r.proposed for r in plan_res)
+            acc = sum(r.accepted for r in plan_res)
+            h = acc / prop if prop else 0.0
+            s = sum(r.retained_ratio or 0 for r in plan_res) / B
+            ftps = fst.decode_tokens / fst.decode_s
+            ptps = pst.decode_tokens / pst.decode_s
+            kv = sum(pl.header.cost.kv_bytes for pl in plans) / B
+            pred_h = predicted_speedup(m.weight_bytes, kv, B, s, h, k)
+            row = {
+                "context": L, "prompt_tokens": sum(len(p.token_ids) for p in ps) / B,
+                "batch": B, "new_tokens": args.new_tokens, "k": k, "accept": args.accept,
+                "full_tok_s": ftps, "plan_tok_s": ptps, "speedup_measured": ptps / ftps,
+                "s": s, "h": h, "tokens_per_cycle": sum(r.decode_tokens for r in plan_res) /
+                max(1, sum(r.cycles for r in plan_res)),
+                "speedup_predicted_plan": plans[0].header.cost.speedup,
+                "assumed_h": plans[0].header.cost.h, "speedup_predicted_observed_h": pred_h,
+                "pays": plans[0].header.cost.pays, "identical": identical,
+                "fallbacks": [r.fallback_reason for r in plan_res if r.fallback_reason],
+                "full": fst.as_dict(), "plan": pst.as_dict(),
+            }
+            rows.append(row)
+            _print_row(row)
+        ex.clear_prefix_cache()
+        ex.cache.check_no_leak()
+        del ex
+    print("\nsummary")
+    print(f"{'ctx':>6} {'B':>3} {'full tok/s':>10} {'plan tok/s':>10} {'speedup':>8} "
+          f"{'pred':>6} {'pred@h':>7} {'s':>6} {'h':>5} {'tok/cyc':>7} identical")
+    for r in rows:
+        print(f"{r['context']:>6} {r['batch']:>3} {r['full_tok_s']:>10.2f} "
+              f"{r['plan_tok_s']:>10.2f} {r['speedup_measured']:>7.2f}x "
+              f"{r['speedup_predicted_plan']:>5.2f}x {r['speedup_predicted_observed_h']:>6.2f}x "
+              f"{r['s']:>6.3f} {r['h']:>5.2f} {r['tokens_per_cycle']:>7.2f} {r['identical']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def _print_row(r: dict) -> None:
+    f, p = r["full"], r["plan"]
+    print(f"-- batch {r['batch']}: full {r['full_tok_s']:.2f} tok/s, plan "
+          f"{r['plan_tok_s']:.2f} tok/s -> {r['speedup_measured']:.2f}x measured; predicted "
+          f"{r['speedup_predicted_plan']:.2f}x "
+          f"(assumed h={r['assumed_h']:.2f}), {r['speedup_predicted_observed_h']:.2f}x at the "
+          f"observed h; s={r['s']:.3f} h={r['h']:.3f} tokens/cycle={r['tokens_per_cycle']:.2f} "
+          f"identical={r['identical']}"
+          + (f" fallbacks={r['fallbacks']}" if r["fallbacks"] else ""),
+          flush=True)
+    print(f"   full: {f['decode_s']:.1f}s = {f['verify_forwards']} forwards x "
+          f"{f['verify_s'] / max(1, f['verify_forwards']) * 1000:.0f}ms (KV gathers "
+          f"{f['gather_s']:.1f}s), other {f['other_s']:.2f}s", flush=True)
+    print(f"   plan: {p['decode_s']:.1f}s = proposal {p['proposal_s']:.1f}s "
+          f"({p['draft_forwards']} draft forwards x "
+          f"{p['proposal_s'] / max(1, p['draft_forwards']) * 1000:.0f}ms) + verification "
+          f"{p['verify_s']:.1f}s ({p['verify_forwards']} x "
+          f"{p['verify_s'] / max(1, p['verify_forwards']) * 1000:.0f}ms) + other "
+          f"{p['other_s']:.2f}s; KV gathers {p['gather_s']:.1f}s inside", flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
