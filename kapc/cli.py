@@ -207,19 +207,23 @@ def run(
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 128,
     compare_full: Annotated[bool, typer.Option(help="Also decode with full context; report both.")] = False,
     engine: Annotated[str, typer.Option(help="reference (PyTorch executor) or vllm.")] = "reference",
+    force: Annotated[bool, typer.Option(help="Run the plan even where the cost model predicts a loss.")] = False,
     model: ModelOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Decode a plan's prompt with the plan (selected-KV proposals, full-context verification)."""
+    common = dict(accept=accept, k=k, max_tokens=max_tokens, compare_full=compare_full, model=model)
     if engine == "reference":
         from kapc.runtime.run import format_report, run_plan_file
+
+        result = run_plan_file(plan, force=force, **common)
     elif engine == "vllm":
         from kapc.runtime.run import format_report
-        from kapc.runtime.vllm import run_plan_file_vllm as run_plan_file
+        from kapc.runtime.vllm import run_plan_file_vllm
+
+        result = run_plan_file_vllm(plan, honor_predicted_loss=not force, **common)
     else:
         raise KapcError(f"--engine must be reference or vllm, not {engine!r}")
-    result = run_plan_file(plan, accept=accept, k=k, max_tokens=max_tokens, compare_full=compare_full,
-                           model=model)
     if as_json:
         typer.echo(json.dumps(result))
         return

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kapc.lower.kapb import Plan, read_plan
-from kapc.models import DEFAULT_MODEL
+from kapc.models import DEFAULT_MODEL, ModelError
 
 __all__ = ["run_plan_file", "run_plan", "format_report"]
 
@@ -20,7 +20,7 @@ def _model_for(plan: Plan, model, device, dtype):
         name = plan.header.model
         spec = None if name in ("", DEFAULT_MODEL) else name
         if spec is not None and not Path(spec).is_dir():
-            raise FileNotFoundError(
+            raise ModelError(
                 f"plan {plan.header.name!r} was compiled for model {name!r}; pass the model folder "
                 f"(model=...)")
     return load_model(spec, device=device, dtype=dtype)
