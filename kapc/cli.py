@@ -242,7 +242,10 @@ def schema_prior() -> None:
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        # Outside standalone mode click returns (not raises) the code of a `typer.Exit`.
+        code = app(standalone_mode=False)
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except KapcError as exc:
         if settings.debug():
             raise

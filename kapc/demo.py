@@ -18,7 +18,7 @@ from pathlib import Path
 OUT = Path("out/demo")
 
 
-def kapc(*args: str, show: bool = True) -> str:
+def run_kapc(*args: str, show: bool = True) -> str:
     cmd = ["kapc", *args]
     print(f"\n$ {shlex.join(cmd)}", flush=True)
     proc = subprocess.run([sys.executable, "-m", "kapc", *args], text=True, capture_output=not show)
@@ -33,21 +33,16 @@ def main() -> None:
     index = os.environ.get("KAPC_DEMO_INDEX", "3")
     OUT.mkdir(parents=True, exist_ok=True)
     prior, plan = OUT / "prior.json", OUT / "plan.kapb"
-    kapc("prior", "hotpotqa", "--index", index, "--context-tokens", "1024", "-o", str(prior))
+    run_kapc("prior", "hotpotqa", "--index", index, "--context-tokens", "1024", "-o", str(prior))
     # At 1K tokens and batch 1, SmolLM2's weights dominate the bytes each step reads, so the cost
     # model predicts no gain and a runtime would fall back; the demo says so, then runs the plan
     # anyway (on-predicted-loss=false) to show the mechanism and the lossless law.
     pipeline = ("ground,align-spans,select{budget-ratio=0.3},resolve-pages,"
                 "compact{k=4,on-predicted-loss=false}")
-    kapc("explain", str(prior), "--passes", pipeline, "--print-after", "compact")
-    kapc("compile", str(prior), "-o", str(plan), "--passes", pipeline, "--emit-kap", str(OUT / "plan.kap"))
-    kapc("inspect", str(plan))
-    try:
-        import kapc.runtime.run  # noqa: F401 - present once the reference executor is installed
-    except ImportError:
-        print("\n(the runtime is not installed; stopping after compilation)")
-        return
-    kapc("run", str(plan), "--max-tokens", "48", "--compare-full")
+    run_kapc("explain", str(prior), "--passes", pipeline, "--print-after", "compact")
+    run_kapc("compile", str(prior), "-o", str(plan), "--passes", pipeline, "--emit-kap", str(OUT / "plan.kap"))
+    run_kapc("inspect", str(plan))
+    run_kapc("run", str(plan), "--max-tokens", "48", "--compare-full")
 
 
 if __name__ == "__main__":

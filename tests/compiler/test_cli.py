@@ -113,3 +113,14 @@ def test_dump_dir_writes_every_stage_as_parseable_kap(tmp_path, monkeypatch):
     assert files == ["00-ground.kap", "01-align-spans.kap", "02-select.kap", "03-resolve-pages.kap",
                      "04-compact.kap"]
     assert parse_file(dump / "04-compact.kap").kap.passes[-1] == "compact"
+
+
+def test_exit_codes_through_the_real_entry_point(tmp_path):
+    """`fmt --check` on a non-canonical file exits 1 from the shell, not only under CliRunner."""
+    kap = tmp_path / "x.kap"
+    kap.write_text('kap   name="x" request=raw\n')
+    run = lambda *a: subprocess.run([sys.executable, "-m", "kapc", *a], capture_output=True, text=True)  # noqa: E731
+    assert run("fmt", "--check", str(kap)).returncode == 1
+    assert run("fmt", str(kap)).returncode == 0
+    assert run("fmt", "--check", str(kap)).returncode == 0
+    assert run("inspect", str(tmp_path / "missing.kapb")).returncode == 1
