@@ -1,27 +1,34 @@
 """Recall of gold supporting paragraphs within the budget the compiler selects.
 
-    .venv/bin/python -m benchmarks.frontend_recall --questions 500 --lengths 4096,8192
+    nice -n 10 .venv/bin/python -m benchmarks.frontend_recall --questions 500 --lengths 4096,8192 \
+        --jsonl recall.jsonl --resume
 
 For each HotpotQA dev question (the first N, or --start onwards) and each prompt length, the
-long-context prompt is built (kapc.frontend.longctx) and scored once by the graph frontend, which
-computes every score; the other frontends' priors are the same prior with only their own scores
-(identical to running them alone: tests/frontend/test_hybrid.py checks it). Each prior is compiled
-with the real compiler (`ground,align-spans,select{budget-ratio=R}`: the budget is R of the prompt
-tokens, and the instruction, question, template tokens, attention sink and recent window come out
-of it first), and the passages `select` keeps are compared with the gold supporting paragraphs.
+long-context prompt is built (kapc.frontend.longctx) and scored once: sparse, dense and fusion
+once, then the entity graph on top of them under each graph setting (hybrid.with_graph). The
+single-score frontends' priors are that prior with only their own scores (identical to running
+them alone: tests/frontend/test_hybrid.py checks it). Each prior is compiled with the real
+compiler (`ground,align-spans,select{budget-ratio=R}`: the budget is R of the prompt tokens, and
+the instruction, question, template tokens, attention sink and recent window come out of it
+first), and the passages `select` keeps are compared with the gold supporting paragraphs.
 
 Variants:
-  bm25       sparse score only
-  dense      dense score only
-  fusion     sparse + dense + RRF fusion (ground averages their normalised values)
-  graph      the full graph prior as emitted: all four passage scores plus entity node units
-             (ground mixes passage scores with the best anchored node score)
-  graph-ppr  the graph frontend's own ranking: the passage PPR score only
+  bm25             sparse score only
+  dense            dense score only
+  fusion           sparse + dense + RRF fusion (ground averages their normalised values)
+  graph            the full graph prior as kapc's graph frontend emits it by default
+                   (graph.DEFAULT): all four passage scores plus entity node units
+                   (ground mixes passage scores with the best anchored node score)
+  graph-ppr        the graph frontend's own ranking: the passage PPR score only
+  graph-hipporag2, graph-hipporag2-ppr
+                   the same under HippoRAG 2's settings (graph.HIPPORAG2), when the default
+                   differs from them
 
 Reported per length and variant: mean recall of gold paragraphs, the share of questions with
 every gold paragraph kept, and the mean share of passages kept. --jsonl keeps per-question rows
-(and --resume continues a run from them). Dense encoding dominates the time on CPU; by default it
-runs under bf16 autocast (KAPC_DENSE_PRECISION=bfloat16), --fp32 turns that off.
+(and --resume continues a run from them). Speed: shorter prompts are prefixes of longer ones and
+every model output is cached per text (in-process, and on disk in the --memo file), torch runs on
+one thread (--threads), the dense encoder under bf16 autocast (--fp32 turns that off).
 """
 
 from __future__ import annotations
@@ -33,17 +40,37 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = ("bm25", "dense", "fusion", "graph", "graph-ppr")
+BASE = ("bm25", "dense", "fusion")
 KEEP = {"bm25": {"sparse"}, "dense": {"dense"}, "fusion": {"sparse", "dense", "fusion"},
         "graph-ppr": {"ppr"}}
 
 
+def graph_configs() -> dict[str, object]:
+    """Graph variant name -> GraphConfig: `graph` is kapc's default; `graph-hipporag2` is
+    HippoRAG 2's setting, measured alongside when the default differs from it."""
+    from kapc.frontend import graph
+    out = {"graph": graph.DEFAULT}
+    if graph.DEFAULT != graph.HIPPORAG2:
+        out["graph-hipporag2"] = graph.HIPPORAG2
+    return out
+
+
+def variants() -> tuple[str, ...]:
+    names = list(BASE)
+    for g in graph_configs():
+        names += [g, f"{g}-ppr"]
+    return tuple(names)
+
+
 def _variant(prior, name: str):
     import msgspec
-    if name == "graph":
+    if name in BASE:
+        keep = KEEP[name]
+    elif name.endswith("-ppr"):
+        keep = KEEP["graph-ppr"]
+    else:
         return prior
-    units = [msgspec.structs.replace(u, scores={k: v for k, v in u.scores.items()
-                                                if k in KEEP[name]})
+    units = [msgspec.structs.replace(u, scores={k: v for k, v in u.scores.items() if k in keep})
              for u in prior.units if u.kind == "passage"]
     return msgspec.structs.replace(prior, units=units)
 
@@ -56,19 +83,35 @@ def _selected(prior, passes, ctx) -> tuple[set[str], int]:
 
 
 def run_one(index: int, length: int, passes, ctx) -> dict:
-    from kapc.frontend.hybrid import hotpotqa_prior
-    t0 = time.perf_counter()
-    prior = hotpotqa_prior(index, length, frontend="graph")
-    t_front = time.perf_counter() - t0
-    gold = set(prior.meta["gold_passages"])
-    n_passages = sum(1 for u in prior.units if u.kind == "passage")
-    row = {"index": index, "id": prior.meta["question_id"], "length": length,
-           "prompt_tokens": prior.meta["prompt_tokens"], "passages": n_passages,
-           "gold": sorted(gold), "frontend_s": round(t_front, 3), "recall": {}, "kept": {}}
-    for v in VARIANTS:
+    """Build one prompt, score it once (sparse, dense, fusion, and the graph under each graph
+    config), and compile every variant's prior."""
+    from kapc.frontend import hybrid
+    from kapc.frontend.longctx import build_hotpotqa
+    t0, c0 = time.perf_counter(), time.process_time()
+    lc = build_hotpotqa(index, length)
+    t1 = time.perf_counter()
+    passages, question = hybrid.request_parts(lc.request)
+    meta = lc.meta()
+    name = f"hotpotqa-{lc.question_id}-{length}"
+    scored = hybrid.score_passages(question, passages, "fusion")
+    priors = {}
+    for g, cfg in graph_configs().items():
+        sg = hybrid.with_graph(question, passages, scored, cfg)
+        priors[g] = hybrid.prior_from_scored(lc.request, name, "graph", passages, sg, meta=meta,
+                                             graph_config=cfg)
+    t2 = time.perf_counter()
+    gold = set(meta["gold_passages"])
+    row = {"index": index, "id": lc.question_id, "length": length,
+           "prompt_tokens": lc.prompt_tokens, "passages": len(passages), "gold": sorted(gold),
+           "build_s": round(t1 - t0, 3), "frontend_s": round(t2 - t1, 3), "recall": {},
+           "kept": {}}
+    for v in variants():
+        prior = priors["graph" if v in BASE else v.removesuffix("-ppr")]
         kept, _ = _selected(_variant(prior, v), passes, ctx)
         row["recall"][v] = len(gold & kept) / len(gold)
         row["kept"][v] = len(kept)
+    row["compile_s"] = round(time.perf_counter() - t2, 3)
+    row["cpu_s"] = round(time.process_time() - c0, 3)  # this process's CPU time, all threads
     return row
 
 
@@ -87,7 +130,8 @@ def summarize(rows: list[dict], lengths: list[int]) -> str:
         rs = [r for r in rows if r["length"] == n]
         if not rs:
             continue
-        for v in VARIANTS:
+        # Variants every row has (rows from an older run may lack newer variants).
+        for v in [v for v in rs[0]["recall"] if all(v in r["recall"] for r in rs)]:
             rec = sum(r["recall"][v] for r in rs) / len(rs)
             full = sum(r["recall"][v] == 1.0 for r in rs) / len(rs)
             kept = sum(r["kept"][v] / r["passages"] for r in rs) / len(rs)
@@ -108,10 +152,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--jsonl", type=Path, help="write per-question rows here")
     ap.add_argument("--resume", action="store_true", help="skip rows already in --jsonl")
     ap.add_argument("--fp32", action="store_true", help="dense encoder in float32 (slower)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (default 1: on a shared machine more threads spin "
+                         "against other jobs and run several times slower)")
+    ap.add_argument("--memo", type=Path, default=None,
+                    help="on-disk memo of embeddings and entities per text (default "
+                         "$KAPC_CACHE_DIR/frontend/memo.sqlite); reruns and --resume skip the "
+                         "model work already done")
+    ap.add_argument("--no-memo", action="store_true", help="no on-disk memo")
     args = ap.parse_args(argv)
     if not args.fp32:
         os.environ.setdefault("KAPC_DENSE_PRECISION", "bfloat16")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not args.no_memo:
+        from kapc.models import cache_root
+        memo = args.memo or cache_root() / "frontend" / "memo.sqlite"
+        os.environ["KAPC_FRONTEND_MEMO"] = str(memo)
+    import torch
+    torch.set_num_threads(max(1, args.threads))
     lengths = [int(x) for x in args.lengths.split(",") if x]
 
     from kapc.frontend.progress import track
@@ -132,19 +190,28 @@ def main(argv: list[str] | None = None) -> None:
     todo = [(i, n) for i in range(args.start, args.start + args.questions)
             for n in sorted(lengths, reverse=True) if (i, n) not in done]
     t0 = time.perf_counter()
-    # Longest first per question: shorter prompts are prefixes, so their embeddings are cached.
+    new_rows: list[dict] = []
+    # Longest first per question: shorter prompts are prefixes, so their embeddings and entities
+    # are cached (in-process, by text) when the shorter one comes.
     for i, n in track(todo, "scoring and compiling", total=len(todo)):
         row = run_one(i, n, passes, ctx)
         rows.append(row)
+        new_rows.append(row)
         if sink:
             sink.write(json.dumps(row) + "\n")
             sink.flush()
     if sink:
         sink.close()
     rows = [r for r in rows if args.start <= r["index"] < args.start + args.questions]
-    print(f"# {len(rows)} (question, length) rows, {time.perf_counter() - t0:.0f}s this run, "
-          f"budget-ratio {args.budget_ratio}, dense precision "
-          f"{os.environ.get('KAPC_DENSE_PRECISION', 'float32')}")
+    wall = time.perf_counter() - t0
+    questions = len({i for i, _ in todo})
+    cpu = sum(r["cpu_s"] for r in new_rows)
+    per_q = (f", per question (all lengths) {wall / questions:.2f}s wall, {cpu / questions:.2f}s "
+             f"CPU" if questions else "")
+    print(f"# {len(rows)} (question, length) rows, {len(todo)} computed in {wall:.0f}s this run"
+          f"{per_q}; budget-ratio {args.budget_ratio}, dense precision "
+          f"{os.environ.get('KAPC_DENSE_PRECISION', 'float32')}, torch threads {args.threads}, "
+          f"memo {os.environ.get('KAPC_FRONTEND_MEMO', 'off')}")
     summarize(rows, lengths)
 
 

@@ -29,6 +29,9 @@ ModelOpt = Annotated[Optional[str], typer.Option(
 FrontendOpt = Annotated[str, typer.Option(
     "--frontend", help="graph (sparse + dense + fusion + entity-graph PPR), fusion, dense or "
     "bm25.")]
+GraphOpt = Annotated[str, typer.Option(
+    "--graph", help="Graph frontend setting: default (kapc's, measured in docs/frontend.md) or "
+    "hipporag2 (HippoRAG 2's: passage node weight 0.05, 100 node units).")]
 TokensOpt = Annotated[int, typer.Option(
     "--context-tokens", "-n", help="Target prompt length in model tokens (chat template "
     "included); the prompt is the longest that fits.")]
@@ -36,6 +39,14 @@ SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for the order of hard
 IndexOpt = Annotated[Optional[int], typer.Option("--index", "-i", help="Question index in the "
                                                  "dev file.")]
 IdOpt = Annotated[Optional[str], typer.Option("--id", help="Question id in the dev file.")]
+
+
+def _graph_config(name: str):
+    from kapc.frontend import graph
+    from kapc.frontend.errors import FrontendError
+    if name not in graph.CONFIGS:
+        raise FrontendError(f"unknown --graph {name!r}; choose one of {', '.join(graph.CONFIGS)}")
+    return graph.CONFIGS[name]
 
 
 def _friendly(fn):
@@ -90,7 +101,7 @@ def _instruction(instruction: str | None) -> str:
 @_friendly
 def hotpotqa_cmd(index: IndexOpt = None, id: IdOpt = None, context_tokens: TokensOpt = 4096,
                  frontend: FrontendOpt = "graph", seed: SeedOpt = 0, model: ModelOpt = None,
-                 output: OutOpt = None) -> None:
+                 graph: GraphOpt = "default", output: OutOpt = None) -> None:
     """A HotpotQA dev (distractor) question as a long-context prompt, scored by the offline
     frontend: its own 10 paragraphs, then BM25-ranked hard negatives up to --context-tokens."""
     from kapc.frontend.hybrid import hotpotqa_prior
@@ -98,7 +109,7 @@ def hotpotqa_cmd(index: IndexOpt = None, id: IdOpt = None, context_tokens: Token
     _pick(index, id)
     with status("building and scoring the HotpotQA prompt"):
         prior = hotpotqa_prior(index, context_tokens, qid=id, frontend=frontend, seed=seed,
-                               model=model)
+                               model=model, graph_config=_graph_config(graph))
     _write(prior, output)
 
 
@@ -106,7 +117,7 @@ def hotpotqa_cmd(index: IndexOpt = None, id: IdOpt = None, context_tokens: Token
 @_friendly
 def squad_cmd(index: IndexOpt = None, id: IdOpt = None, context_tokens: TokensOpt = 4096,
               frontend: FrontendOpt = "graph", seed: SeedOpt = 0, model: ModelOpt = None,
-              output: OutOpt = None) -> None:
+              graph: GraphOpt = "default", output: OutOpt = None) -> None:
     """A SQuAD 2.0 dev question as a long-context prompt: its paragraph, then BM25-ranked
     paragraphs from the rest of the dev set up to --context-tokens."""
     from kapc.frontend.hybrid import squad_prior
@@ -114,7 +125,7 @@ def squad_cmd(index: IndexOpt = None, id: IdOpt = None, context_tokens: TokensOp
     _pick(index, id)
     with status("building and scoring the SQuAD prompt"):
         prior = squad_prior(index, context_tokens, qid=id, frontend=frontend, seed=seed,
-                            model=model)
+                            model=model, graph_config=_graph_config(graph))
     _write(prior, output)
 
 

@@ -10,8 +10,9 @@ Frontends (`frontend=`), each emitting every score it computed on every passage 
 * `dense`: `dense`;
 * `fusion`: `sparse`, `dense`, and their reciprocal-rank fusion `fusion`;
 * `graph` (default): all of the above plus `ppr` from Personalized PageRank over the entity graph
-  (kapc.frontend.graph), and `node` units for the entities with the highest PPR, anchored at
-  their mentions in the passages.
+  (kapc.frontend.graph), and, when the graph setting asks for them (`graph.HIPPORAG2`: 100;
+  kapc's `graph.DEFAULT`: none), `node` units for the entities with the highest PPR, anchored
+  at their mentions in the passages.
 
 `Frontend.params.primary_score` names the score the frontend itself would rank passages by.
 """
@@ -58,7 +59,8 @@ def request_parts(request: Request) -> tuple[list[Segment], str]:
     return passages, question
 
 
-def score_passages(question: str, passages: list[Segment], frontend: str = "graph") -> Scored:
+def score_passages(question: str, passages: list[Segment], frontend: str = "graph",
+                   graph_config: graph_mod.GraphConfig | None = None) -> Scored:
     if frontend not in FRONTENDS:
         raise FrontendError(f"unknown frontend {frontend!r}; choose one of {', '.join(FRONTENDS)}")
     texts = [s.text.strip() for s in passages]
@@ -71,9 +73,24 @@ def score_passages(question: str, passages: list[Segment], frontend: str = "grap
         scores["fusion"] = retrieval.rrf(scores["sparse"], scores["dense"])
     g = None
     if frontend == "graph":
-        g = graph_mod.run_graph(question, [s.text for s in passages], [s.title for s in passages],
-                                scores["dense"])
+        g = run_graph(question, passages, scores["dense"], graph_config)
         scores["ppr"] = g.passage_ppr
+    return Scored(scores=scores, graph=g)
+
+
+def run_graph(question: str, passages: list[Segment], dense: np.ndarray,
+              graph_config: graph_mod.GraphConfig | None = None) -> graph_mod.GraphResult:
+    return graph_mod.run_graph(question, [s.text for s in passages], [s.title for s in passages],
+                               dense, graph_config)
+
+
+def with_graph(question: str, passages: list[Segment], scored: Scored,
+               graph_config: graph_mod.GraphConfig | None) -> Scored:
+    """The same sparse/dense/fusion scores with the graph run again under `graph_config` (what the
+    recall benchmark uses to compare graph settings without scoring twice)."""
+    scores = {k: v for k, v in scored.scores.items() if k != "ppr"}
+    g = run_graph(question, passages, scores["dense"], graph_config)
+    scores["ppr"] = g.passage_ppr
     return Scored(scores=scores, graph=g)
 
 
@@ -82,7 +99,8 @@ def _slug(name: str) -> str:
     return s or "x"
 
 
-def _units(passages: list[Segment], scored: Scored, max_nodes: int) -> list[Unit]:
+def _units(passages: list[Segment], scored: Scored, max_nodes: int,
+           node_scores: tuple[str, ...] = ("ppr", "dense", "seed")) -> list[Unit]:
     units = [Unit(id=seg.id, kind="passage", segment=seg.id, text=seg.title or "",
                   scores={k: round(float(v[i]), 8) for k, v in scored.scores.items()})
              for i, seg in enumerate(passages)]
@@ -100,20 +118,32 @@ def _units(passages: list[Segment], scored: Scored, max_nodes: int) -> list[Unit
         used.add(uid)
         anchors = [Anchor(segment=passages[p].id, start=a, end=b)
                    for p, a, b in ent.mentions[:MAX_ANCHORS]]
-        units.append(Unit(id=uid, kind="node", text=ent.name, anchors=anchors, scores={
-            "ppr": round(float(g.entity_ppr[j]), 8),
-            "dense": round(float(g.entity_dense[j]), 8),
-            "seed": round(float(g.entity_seed[j]), 8)}))
+        values = {"ppr": g.entity_ppr[j], "dense": g.entity_dense[j], "seed": g.entity_seed[j]}
+        units.append(Unit(id=uid, kind="node", text=ent.name, anchors=anchors,
+                          scores={k: round(float(values[k]), 8) for k in node_scores}))
     return units
 
 
 def score_request(request: Request, name: str, frontend: str = "graph", *,
-                  meta: dict | None = None, max_nodes: int = MAX_NODES) -> Prior:
-    """Score the passages of `request` against its question and emit a validated Prior."""
+                  meta: dict | None = None, max_nodes: int | None = None,
+                  graph_config: graph_mod.GraphConfig | None = None) -> Prior:
+    """Score the passages of `request` against its question and emit a validated Prior.
+    `graph_config` (default `graph.DEFAULT`) sets the graph frontend; `max_nodes` overrides its
+    number of node units."""
     passages, question = request_parts(request)
     if not passages:
         raise FrontendError("the request has no passage segments to score")
-    scored = score_passages(question, passages, frontend)
+    scored = score_passages(question, passages, frontend, graph_config)
+    return prior_from_scored(request, name, frontend, passages, scored, meta=meta,
+                             max_nodes=max_nodes, graph_config=graph_config)
+
+
+def prior_from_scored(request: Request, name: str, frontend: str, passages: list[Segment],
+                      scored: Scored, *, meta: dict | None = None, max_nodes: int | None = None,
+                      graph_config: graph_mod.GraphConfig | None = None) -> Prior:
+    """The validated Prior for scores already computed (`score_passages`, `with_graph`)."""
+    cfg = graph_config or graph_mod.DEFAULT
+    max_nodes = cfg.max_nodes if max_nodes is None else max_nodes
     params: dict = {"frontend": frontend, "primary_score": PRIMARY[frontend]}
     if "sparse" in scored.scores:
         params["sparse"] = {"method": "bm25s lucene", "k1": 1.5, "b": 0.75, "stopwords": "en"}
@@ -123,12 +153,12 @@ def score_request(request: Request, name: str, frontend: str = "graph", *,
         params["fusion"] = {"method": "rrf", "k": retrieval.RRF_K, "of": ["sparse", "dense"]}
     if scored.graph is not None:
         params["graph"] = {
-            "ner": "spacy en_core_web_sm", "damping": graph_mod.DAMPING,
-            "passage_node_weight": graph_mod.PASSAGE_NODE_WEIGHT,
-            "synonym_threshold": graph_mod.SYNONYM_THRESHOLD, "link_top_k": graph_mod.LINK_TOP_K,
+            "ner": "spacy en_core_web_sm", **cfg.params(), "max_nodes": max_nodes,
+            "preset": next((k for k, v in graph_mod.CONFIGS.items() if v == cfg), "custom"),
             "entities": len(scored.graph.entities), "edges": scored.graph.edges,
-            "question_entities": scored.graph.question_entities, "max_nodes": max_nodes}
-    prior = Prior(name=name, request=request, units=_units(passages, scored, max_nodes),
+            "question_entities": scored.graph.question_entities}
+    prior = Prior(name=name, request=request,
+                  units=_units(passages, scored, max_nodes, cfg.node_scores),
                   frontend=Frontend(name=f"kapc-{frontend}", version=__version__, params=params),
                   meta=meta or {})
     return validated(prior)
@@ -141,19 +171,21 @@ def validated(prior: Prior) -> Prior:
 
 def hotpotqa_prior(index: int | None = None, context_tokens: int = 4096, *, qid: str | None = None,
                    frontend: str = "graph", seed: int | None = 0, model: str | None = None,
-                   max_nodes: int = MAX_NODES) -> Prior:
+                   max_nodes: int | None = None,
+                   graph_config: graph_mod.GraphConfig | None = None) -> Prior:
     """The prior for HotpotQA dev question `index` (or `qid`) at `context_tokens` tokens."""
     from kapc.frontend.longctx import build_hotpotqa
     lc = build_hotpotqa(index, context_tokens, qid=qid, seed=seed, model=model)
     return score_request(lc.request, f"hotpotqa-{lc.question_id}-{context_tokens}", frontend,
-                         meta=lc.meta(), max_nodes=max_nodes)
+                         meta=lc.meta(), max_nodes=max_nodes, graph_config=graph_config)
 
 
 def squad_prior(index: int | None = None, context_tokens: int = 4096, *, qid: str | None = None,
                 frontend: str = "graph", seed: int | None = 0, model: str | None = None,
-                max_nodes: int = MAX_NODES) -> Prior:
+                max_nodes: int | None = None,
+                graph_config: graph_mod.GraphConfig | None = None) -> Prior:
     """The prior for SQuAD 2.0 dev question `index` (or `qid`) at `context_tokens` tokens."""
     from kapc.frontend.longctx import build_squad
     lc = build_squad(index, context_tokens, qid=qid, seed=seed, model=model)
     return score_request(lc.request, f"squad-{lc.question_id}-{context_tokens}", frontend,
-                         meta=lc.meta(), max_nodes=max_nodes)
+                         meta=lc.meta(), max_nodes=max_nodes, graph_config=graph_config)

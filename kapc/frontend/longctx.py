@@ -28,6 +28,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -178,54 +179,100 @@ def squad_pool() -> _Pool:
 
 
 def _ordered_negatives(pool: _Pool, query: str, exclude_ids: set[int], exclude_titles: set[str],
-                       seed: int | None, salt: str, dedupe_titles: bool) -> list[int]:
-    """Pool indices of the negatives for one question, in the one fixed order."""
+                       seed: int | None, salt: str, dedupe_titles: bool) -> Iterator[int]:
+    """Pool indices of the negatives for one question, in the one fixed order, lazily: a prompt
+    needs tens of negatives out of tens of thousands, so only the blocks read are filtered and
+    shuffled. The order is the same as shuffling the whole list at once (each RNG is consumed in
+    the same sequence)."""
     scores = pool.scores(query)
     n = len(scores)
     idx = np.arange(n)
     # Rank by score (descending), ties by pool position: fully deterministic.
     order = np.lexsort((idx, -scores))
-    positive = [int(i) for i in order if scores[i] > 0]
-    rest = [int(i) for i in order if scores[i] <= 0]
-    # Paragraphs that share no term with the question come last, in a seeded order.
-    random.Random(f"{seed}:{salt}:rest").shuffle(rest)
-    out: list[int] = []
-    seen_titles = set(exclude_titles)
-    for i in positive + rest:
-        if i in exclude_ids:
-            continue
-        title = pool.paragraphs[i].title
-        if title in seen_titles:
-            continue
-        if dedupe_titles:
-            seen_titles.add(title)
-        out.append(i)
-    if seed is not None:
-        rng = random.Random(f"{seed}:{salt}:blocks")
-        for start in range(0, len(out), BLOCK):
-            block = out[start:start + BLOCK]
+    n_pos = int((scores > 0).sum())  # the descending order puts every positive score first
+
+    def candidates() -> Iterator[int]:
+        yield from order[:n_pos].tolist()
+        # Paragraphs that share no term with the question come last, in a seeded order.
+        rest = order[n_pos:].tolist()
+        random.Random(f"{seed}:{salt}:rest").shuffle(rest)
+        yield from rest
+
+    def filtered() -> Iterator[int]:
+        seen_titles = set(exclude_titles)
+        for i in candidates():
+            if i in exclude_ids:
+                continue
+            title = pool.paragraphs[i].title
+            if title in seen_titles:
+                continue
+            if dedupe_titles:
+                seen_titles.add(title)
+            yield i
+
+    if seed is None:
+        yield from filtered()
+        return
+    rng = random.Random(f"{seed}:{salt}:blocks")
+    block: list[int] = []
+    for i in filtered():
+        block.append(i)
+        if len(block) == BLOCK:
             rng.shuffle(block)
-            out[start:start + BLOCK] = block
-    return out
+            yield from block
+            block = []
+    if block:
+        rng.shuffle(block)
+        yield from block
+
+
+class _Lazy:
+    """A sequence read from an iterator on demand (iteration and integer indexing), keeping what
+    was read."""
+
+    def __init__(self, it: Iterator[int]) -> None:
+        self._it = it
+        self._items: list[int] = []
+
+    def _fill(self, n: int) -> bool:
+        while len(self._items) < n:
+            try:
+                self._items.append(next(self._it))
+            except StopIteration:
+                return False
+        return True
+
+    def __getitem__(self, k: int) -> int:
+        if k < 0:
+            raise IndexError("negative indices are not supported")
+        if not self._fill(k + 1):
+            raise IndexError(k)
+        return self._items[k]
+
+    def __iter__(self) -> Iterator[int]:
+        k = 0
+        while self._fill(k + 1):
+            yield self._items[k]
+            k += 1
 
 
 @functools.lru_cache(maxsize=4096)
-def _hotpot_negatives(index: int, seed: int | None) -> tuple[int, ...]:
+def _hotpot_negatives(index: int, seed: int | None) -> _Lazy:
     q = data.hotpotqa_question(index=index)
     pool = hotpotqa_pool()
     # The question's own titles (gold and distractors) never come back as negatives; nor does a
     # second paragraph under a title already used.
     own_titles = {p.title for p in q.paragraphs}
-    return tuple(_ordered_negatives(pool, q.question, set(), own_titles, seed,
+    return _Lazy(_ordered_negatives(pool, q.question, set(), own_titles, seed,
                                     f"hotpotqa:{q.id}", dedupe_titles=True))
 
 
 @functools.lru_cache(maxsize=4096)
-def _squad_negatives(index: int, seed: int | None) -> tuple[int, ...]:
+def _squad_negatives(index: int, seed: int | None) -> _Lazy:
     q = data.squad_question(index=index)
     pool = squad_pool()
     # SQuAD titles name articles: other paragraphs of the same article are fair negatives.
-    return tuple(_ordered_negatives(pool, q.question, {q.paragraph}, set(), seed,
+    return _Lazy(_ordered_negatives(pool, q.question, {q.paragraph}, set(), seed,
                                     f"squad:{q.id}", dedupe_titles=False))
 
 

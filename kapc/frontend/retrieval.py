@@ -78,7 +78,8 @@ def _precision():
 
 
 class Embedder:
-    """Normalised sentence embeddings with an in-process cache keyed by text."""
+    """Normalised sentence embeddings with an in-process cache keyed by text (and, when
+    KAPC_FRONTEND_MEMO is set, an on-disk one: kapc.frontend.memo)."""
 
     def __init__(self, max_cache: int = 500_000) -> None:
         self._cache: dict[str, np.ndarray] = {}
@@ -87,14 +88,22 @@ class Embedder:
     def __call__(self, texts: list[str], batch_size: int = 16) -> np.ndarray:
         missing = list(dict.fromkeys(t for t in texts if t not in self._cache))
         if missing:
-            model = dense_model()
-            with _lock, _precision():
-                vecs = model.encode(missing, batch_size=batch_size, normalize_embeddings=True,
-                                    convert_to_numpy=True, show_progress_bar=False)
+            from kapc.frontend import memo
+            kind = f"dense:{DENSE_MODEL}:{os.environ.get('KAPC_DENSE_PRECISION', 'float32')}"
+            found = {t: np.frombuffer(v, dtype=np.float32)
+                     for t, v in memo.get_many(kind, missing).items()}
+            todo = [t for t in missing if t not in found]
+            if todo:
+                model = dense_model()
+                with _lock, _precision():
+                    vecs = model.encode(todo, batch_size=batch_size, normalize_embeddings=True,
+                                        convert_to_numpy=True, show_progress_bar=False)
+                new = {t: np.asarray(v, dtype=np.float32) for t, v in zip(todo, vecs)}
+                memo.put_many(kind, {t: v.tobytes() for t, v in new.items()})
+                found.update(new)
             if len(self._cache) + len(missing) > self._max:
                 self._cache.clear()
-            for t, v in zip(missing, vecs):
-                self._cache[t] = np.asarray(v, dtype=np.float32)
+            self._cache.update(found)
         if not texts:
             return np.zeros((0, 384), dtype=np.float32)
         return np.stack([self._cache[t] for t in texts])
