@@ -41,24 +41,6 @@ def _err(message: str) -> None:
                                                 soft_wrap=True)
 
 
-def _load_input(path: Path):
-    """A prior.json or a `.kap` file at any stage, as a module."""
-    from kapc.checker import check_module
-    from kapc.ingest import module_from_prior
-    from kapc.parse import parse_file
-    from kapc.prior import load_prior
-
-    if path.suffix == ".kap":
-        module = parse_file(path)
-        check_module(module, where=str(path))
-        return module
-    return module_from_prior(load_prior(path))
-
-
-def _passes_for(module, passes: str | None):
-    from kapc.pipeline import parse_pipeline, remaining_default
-
-    return parse_pipeline(passes) if passes else remaining_default(module)
 
 
 @app.command("compile")
@@ -71,16 +53,14 @@ def compile_cmd(
     check_roundtrip: Annotated[bool, typer.Option(help="Print and re-parse the IR after every pass.")] = False,
 ) -> None:
     """Compile a prior (or a .kap) into a .kapb plan."""
+    from kapc.compiler import compile_module
     from kapc.lower.kapb import write_plan
     from kapc.lower.lower import lower_module
     from kapc.parse import print_module
     from kapc.passes import CompileContext
-    from kapc.pipeline import run_pipeline
 
-    module = _load_input(input)
     ctx = CompileContext(model)
-    result = run_pipeline(module, _passes_for(module, passes), ctx, roundtrip=check_roundtrip or None)
-    out = result.module
+    out = compile_module(input, passes, ctx, roundtrip=check_roundtrip or None).module
     if emit_kap:
         emit_kap.write_text(print_module(out))
     write_plan(output, lower_module(out, ctx))
@@ -103,19 +83,19 @@ def explain(
         help="Print strings whole (each section then parses as .kap); default elides long text.")] = False,
 ) -> None:
     """Show the IR after every pass, with a view of which parts of the prompt each pass keeps."""
+    from kapc.compiler import as_module, compile_module
     from kapc.explain import section
     from kapc.passes import CompileContext, PASSES
-    from kapc.pipeline import PipelineError, run_pipeline
+    from kapc.pipeline import PipelineError
 
-    module = _load_input(input)
-    pipeline = _passes_for(module, passes)
+    module = as_module(input)
     wanted = set(print_after or [])
     unknown = wanted - set(PASSES)
     if unknown:
         raise PipelineError(f"--print-after: unknown pass {sorted(unknown)[0]!r} (passes: {', '.join(PASSES)})")
     if not wanted:
         typer.echo(section("input", module, full_text))
-    run_pipeline(module, pipeline, CompileContext(model), after_pass=lambda rec: (
+    compile_module(module, passes, CompileContext(model), after_pass=lambda rec: (
         typer.echo(section(rec.name, rec.module, full_text))
         if not wanted or rec.name in wanted else None))
 

@@ -33,20 +33,10 @@ def pipeline_for(block_size: int = 32, budget_ratio: float = 0.2, k: int = 4,
 
 def compile_prior(prior, block_size: int = 32, budget_ratio: float = 0.2, k: int = 4,
                   batch: int = 1, ctx=None) -> bytes:
-    """A prior JSON file -> .kapb bytes (the compiler runs here; the hook only reads plans)."""
-    from kapc.ingest import module_from_prior
-    from kapc.lower.lower import lower_module
-    from kapc.passes import CompileContext
-    from kapc.pipeline import parse_pipeline, run_pipeline
+    """A prior (or its JSON file) -> .kapb bytes, compiled for this block size."""
+    from kapc.compiler import compile_to_kapb
 
-    if isinstance(prior, (str, Path)):
-        from kapc.prior import decode_prior
-
-        prior = decode_prior(Path(prior).read_bytes())
-    ctx = ctx or CompileContext()
-    passes = parse_pipeline(pipeline_for(block_size, budget_ratio, k, batch))
-    res = run_pipeline(module_from_prior(prior), passes, ctx, verify=False)
-    return lower_module(res.module, ctx)
+    return compile_to_kapb(prior, pipeline_for(block_size, budget_ratio, k, batch), ctx, verify=False)
 
 
 class Case:
