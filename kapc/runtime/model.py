@@ -170,15 +170,9 @@ def _load_cached(spec: str, device: str, dtype: str | None) -> RuntimeModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if spec == DEFAULT_MODEL:
-        path, name = ensure_default_model(weights=True), DEFAULT_MODEL
-        assets = load_assets(None)
-    else:
-        path = Path(spec)
-        if not path.is_dir():
-            raise ModelError(f"{spec}: not a directory (give a local Hugging Face folder or "
-                             f"{DEFAULT_MODEL!r})")
-        name = path.resolve().name
-        assets = load_assets(str(path))
+        ensure_default_model(weights=True)  # the compiler's assets need no weights; we do
+    assets = load_assets(spec)  # resolves the default model or checks the folder
+    path, name = assets.path, assets.name
     config = AutoConfig.from_pretrained(path)
     check_supported(config)
     dev = torch.device(device)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from benchmarks.vllm_decode import compile_prior
 
 pytest.importorskip("vllm")
 
@@ -23,20 +24,6 @@ PRIORS = [
     DATA / "hotpotqa-0007-1k.prior.json",
     DATA / "hotpotqa-0004-1k.prior.json",  # decoded without a plan in the batch test
 ]
-
-
-def pipeline_for(block_size: int = 32, budget_ratio: float = 0.2, k: int = 4,
-                 batch: int = 1) -> str:
-    return (f"ground,align-spans,select{{budget-ratio={budget_ratio}}},"
-            f"resolve-pages{{block-size={block_size}}},compact{{k={k},batch={batch}}}")
-
-
-def compile_prior(prior, block_size: int = 32, budget_ratio: float = 0.2, k: int = 4,
-                  batch: int = 1, ctx=None) -> bytes:
-    """A prior (or its JSON file) -> .kapb bytes, compiled for this block size."""
-    from kapc.compiler import compile_to_kapb
-
-    return compile_to_kapb(prior, pipeline_for(block_size, budget_ratio, k, batch), ctx, verify=False)
 
 
 class Case:
