@@ -14,6 +14,8 @@ Unknown fields are refused so that a typo never silently drops information.
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -109,8 +111,8 @@ def decode_prior(data: bytes | str, source: str = "<prior>") -> Prior:
     try:
         prior = _decoder.decode(data)
     except msgspec.ValidationError as exc:
-        # msgspec already writes the path as `$.units[3].scores.dense`.
-        raise PriorError(f"{source}: invalid prior: {exc}") from None
+        # msgspec writes the path as `$.units[3].kind`, but a dict value only as `scores[...]`
+        raise PriorError(f"{source}: invalid prior: {_name_dict_keys(data, str(exc))}") from None
     except msgspec.DecodeError as exc:
         raise PriorError(f"{source}: not valid JSON: {exc}") from None
     if prior.version > PRIOR_VERSION:
@@ -120,6 +122,45 @@ def decode_prior(data: bytes | str, source: str = "<prior>") -> Prior:
         )
     _check_references(prior, source)
     return prior
+
+
+_PATH_STEP = re.compile(r"\.([A-Za-z_][\w-]*)|\[(\d+|\.\.\.)\]")
+_JSON_TYPE = {str: "str", bool: "bool", int: "int", float: "float", type(None): "null",
+              list: "array", dict: "object"}
+
+
+def _name_dict_keys(data: bytes | str, message: str) -> str:
+    """Replace the `[...]` msgspec writes for a value inside a dict with the key that holds the
+    offending value (the first whose JSON type is the one the message says it got)."""
+    m = re.search(r"got `(\w+)` - at `(\$[^`]*\[\.\.\.\][^`]*)`", message)
+    if not m:
+        return message
+    got, path = m.groups()
+    try:
+        node = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return message
+    steps = [(k, i) for k, i in _PATH_STEP.findall(path[1:])]
+
+    def resolve(node, steps, prefix):
+        for n, (key, idx) in enumerate(steps):
+            if idx == "...":
+                if not isinstance(node, dict):
+                    return None
+                for k, v in node.items():
+                    found = resolve(v, steps[n + 1:], f"{prefix}[{k!r}]")
+                    if found is not None:
+                        return found
+                return None
+            try:
+                node = node[key] if key else node[int(idx)]
+            except (KeyError, IndexError, TypeError):
+                return None
+            prefix += f".{key}" if key else f"[{idx}]"
+        return prefix if _JSON_TYPE.get(type(node)) == got else None
+
+    named = resolve(node, steps, "$")
+    return message.replace(path, named.replace("'", '"')) if named else message
 
 
 def load_prior(path: str | Path) -> Prior:
