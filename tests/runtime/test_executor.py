@@ -12,6 +12,8 @@ from kapc.lower.kapb import FallbackPolicy, PlanMismatch
 from kapc.runtime.executor import Executor, Request
 from kapc.runtime.planning import plan_from_blocks
 
+from tests.laws import ranks_under_full_context
+
 from .conftest import BLOCK, NEW_TOKENS, gold_plan
 
 pytestmark = pytest.mark.model
@@ -88,6 +90,9 @@ def test_top3_accepts_at_least_as_much_as_greedy(model, executor, prompts):
                                              accept=rule)])
         assert r.accept == rule and r.proposed > 0
         rates[rule] = r.acceptance_rate
+        # greedy emits the full context's argmax; top3 emits one of its best three
+        ranks = ranks_under_full_context(model.hf, p.token_ids, r.tokens)
+        assert max(ranks) < (1 if rule == "greedy" else 3), ranks
     assert rates["top3"] >= rates["greedy"]
 
 

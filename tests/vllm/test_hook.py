@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.laws import ranks_under_full_context
 from tests.vllm.conftest import NEW_TOKENS
 
 pytestmark = pytest.mark.model
@@ -141,3 +142,34 @@ def test_plan_as_base64_extra_arg(engine, cases, baseline):
     st = engine.stats(pop=True)["requests"]["b64"]
     assert st["status"] == "plan" and st["proposed"] > 0
     assert list(out.outputs[0].token_ids) == baseline[2][:12]
+
+
+def test_top3_tolerant_acceptance(engine, cases, baseline):
+    """A top3 row and a greedy row in one batch: the top3 row emits only tokens within the full
+    context's best three (checked with the model's own forward) and accepts at least as much as
+    greedy on the same prompt; the greedy row stays identical to plain vLLM."""
+    import msgspec
+
+    from kapc.lower.kapb import Plan, decode_plan, encode_plan
+    from kapc.runtime.model import load_model
+    from kapc.runtime.vllm import generate
+
+    a, b = cases[1], cases[2]
+    h = msgspec.structs.replace(a.plan.header, accept="top3")
+    top3 = decode_plan(encode_plan(h, a.plan.prompt_token_ids, a.plan.selected_blocks,
+                                   a.plan.positions))
+    assert isinstance(top3, Plan)
+    n = 32
+    tol, greedy_b = generate(engine, [a.ids, b.ids], [top3, b.plan], max_tokens=n,
+                             honor_predicted_loss=False, min_acceptance=False)
+    (greedy_a,) = generate(engine, [a.ids], [a.plan], max_tokens=n, honor_predicted_loss=False,
+                           min_acceptance=False)
+    assert tol["accept"] == "top3" and greedy_a["accept"] == "greedy"
+    assert greedy_b["tokens"] == baseline[2][:n] and greedy_a["tokens"] == baseline[1][:n]
+    ranks = ranks_under_full_context(load_model().hf, a.ids, tol["tokens"])
+    assert max(ranks) < 3, ranks
+    assert tol["acceptance_rate"] >= greedy_a["acceptance_rate"]
+    # the override through generate(accept=...) reaches the proposer too
+    (over,) = generate(engine, [a.ids], [a.plan], max_tokens=8, honor_predicted_loss=False,
+                       accept="top3")
+    assert over["accept"] == "top3"

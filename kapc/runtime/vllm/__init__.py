@@ -197,8 +197,9 @@ def _plan_bytes(plan) -> bytes | None:
 
 def sampling_params(max_tokens: int, plan=None, tag: str | None = None,
                     honor_predicted_loss: bool = True, k: int | None = None,
-                    min_acceptance: bool = True, **kw):
-    """vLLM SamplingParams for one request (greedy by default) carrying its plan."""
+                    min_acceptance: bool = True, accept: str | None = None, **kw):
+    """vLLM SamplingParams for one request (greedy by default) carrying its plan. `accept`
+    overrides the plan's acceptance rule: "greedy" (lossless) or "topN" (tolerant)."""
     from vllm import SamplingParams
 
     extra = {}
@@ -209,6 +210,8 @@ def sampling_params(max_tokens: int, plan=None, tag: str | None = None,
         extra[PLAN_KEY] = data
         extra[OPTS_KEY] = {"honor_predicted_loss": bool(honor_predicted_loss),
                            "k": int(k or 0), "min_acceptance": bool(min_acceptance)}
+        if accept is not None:
+            extra[OPTS_KEY]["accept"] = _checked_accept(accept)
     if tag is not None:
         from kapc.runtime.vllm.proposer import TAG_KEY
 
@@ -217,14 +220,25 @@ def sampling_params(max_tokens: int, plan=None, tag: str | None = None,
     return SamplingParams(max_tokens=max_tokens, extra_args=extra or None, **kw)
 
 
+def _checked_accept(rule: str) -> str:
+    from kapc.runtime.executor import parse_accept
+
+    try:
+        parse_accept(rule)
+    except ValueError as exc:
+        raise VLLMUnsupported(str(exc)) from None
+    return rule
+
+
 def generate(engine: KapEngine, prompts_token_ids, plans=None, max_tokens: int = 128,
              honor_predicted_loss: bool = True, k: int | None = None,
-             min_acceptance: bool = True, ignore_eos: bool = False) -> list[dict]:
+             min_acceptance: bool = True, ignore_eos: bool = False,
+             accept: str | None = None) -> list[dict]:
     """Decode a batch of token-id prompts in one `LLM.generate` call, each with its plan (a Plan,
     .kapb bytes, a path, or None for plain decoding). Returns one dict per prompt: tokens, text,
     finish_reason, status ("plan", "refused", "fallback", "none"), reason, proposed, accepted,
     acceptance_rate, retained_ratio (executed), plan_retained_ratio, tokens_per_cycle, plus the
-    batch's wall time under "batch_s"."""
+    batch's wall time under "batch_s". `accept` overrides every plan's acceptance rule."""
     prompts = [[int(t) for t in p] for p in prompts_token_ids]
     if plans is None:
         plans = [None] * len(prompts)
@@ -234,7 +248,7 @@ def generate(engine: KapEngine, prompts_token_ids, plans=None, max_tokens: int =
     tags = [f"{run}-{i}" for i in range(len(prompts))]
     sps = [sampling_params(max_tokens, plan=pl if engine.hook else None, tag=t,
                            honor_predicted_loss=honor_predicted_loss, k=k,
-                           min_acceptance=min_acceptance, ignore_eos=ignore_eos)
+                           min_acceptance=min_acceptance, ignore_eos=ignore_eos, accept=accept)
            for pl, t in zip(plans, tags)]
     engine.stats(pop=True)
     t0 = time.perf_counter()
@@ -298,9 +312,8 @@ def run_plan_vllm(plan, accept: str | None = None, k: int | None = None, max_tok
     from kapc.models import DEFAULT_MODEL
 
     h = plan.header
-    if accept not in (None, "greedy"):
-        raise VLLMUnsupported(f"the vLLM hook verifies greedily; acceptance rule {accept!r} "
-                              f"is only available in the reference executor")
+    if accept is not None:
+        _checked_accept(accept)
     kk = int(k if k is not None else h.k)
     if engine is None:
         model_dir = None if model in (None, "", DEFAULT_MODEL) else model
@@ -320,7 +333,7 @@ def run_plan_vllm(plan, accept: str | None = None, k: int | None = None, max_tok
         generate(engine, [ids], [None], max_tokens=1)  # warm the prefix cache for both runs
         full = generate(engine, [ids], [None], max_tokens=max_tokens)[0]
     res = generate(engine, [ids], [plan], max_tokens=max_tokens, k=kk,
-                   honor_predicted_loss=honor_predicted_loss)[0]
+                   honor_predicted_loss=honor_predicted_loss, accept=accept)[0]
     tm = res.get("timing", {})
     decode_s = res["batch_s"]
     prop = float(tm.get("propose_s", 0.0))
@@ -336,7 +349,8 @@ def run_plan_vllm(plan, accept: str | None = None, k: int | None = None, max_tok
         "prompt_tokens": len(ids), "text": res["text"], "tokens": res["tokens"],
         "generated_tokens": res["generated_tokens"],
         "finish_reason": "eos" if res["finish_reason"] == "stop" else res["finish_reason"],
-        "mode": mode, "fallback_reason": res["reason"], "accept": "greedy", "k": res["k"],
+        "mode": mode, "fallback_reason": res["reason"], "accept": res["accept"] or accept or h.accept,
+        "k": res["k"],
         "block_size": engine.block_size, "retained_ratio": res["retained_ratio"],
         "plan_retained_ratio": h.retained_ratio,
         "visible_prompt_tokens": res["visible_prompt_tokens"], "proposed": res["proposed"],

@@ -36,7 +36,8 @@ import torch
 
 PLAN_KEY = "kapc_plan"  # SamplingParams.extra_args key holding the .kapb bytes
 TAG_KEY = "kapc_tag"  # a caller-chosen name the per-request statistics are filed under
-OPTS_KEY = "kapc_opts"  # {"honor_predicted_loss": bool, "k": int, "min_acceptance": bool}
+OPTS_KEY = "kapc_opts"  # {"honor_predicted_loss": bool, "k": int, "min_acceptance": bool,
+#                          "accept": "greedy" | "topN"}
 
 
 class UnsupportedAttention(RuntimeError):
@@ -81,6 +82,7 @@ class _ReqState:
     retained_ratio: float | None = None
     plan_retained_ratio: float | None = None
     accept: str | None = None
+    topn: int = 1  # 1: greedy (lossless); N > 1: a draft within the target's top N is accepted
     k: int = 0
     speedup_predicted: float | None = None
     proposed: int = 0
@@ -138,6 +140,49 @@ class KapProposer:
 
     def bind(self, runner) -> None:
         self._runner = runner
+        self._install_tolerance(runner)
+
+    def _install_tolerance(self, runner) -> None:
+        """Top-N tolerant acceptance, through vLLM's own rejection sampler: before it runs, a
+        draft token of a top-N row that lies within the target's top N at its position gets its
+        target logit raised above the row's maximum, so the greedy comparison accepts it and
+        emits it. Greedy rows and the bonus positions are left untouched (lossless stays
+        lossless); the first rejected position still yields the target's own argmax."""
+        rs = getattr(runner, "rejection_sampler", None)
+        if rs is None or getattr(rs, "_kapc_tolerant", False):
+            return
+        forward = rs.forward
+
+        def tolerant_forward(metadata, draft_probs, logits, sampling_metadata, *a, **kw):
+            if logits is not None and any(st.topn > 1 for st in self.states.values()):
+                self._raise_tolerated(runner, metadata, logits)
+            return forward(metadata, draft_probs, logits, sampling_metadata, *a, **kw)
+
+        rs.forward = tolerant_forward
+        rs._kapc_tolerant = True
+
+    def _raise_tolerated(self, runner, metadata, logits) -> None:
+        req_ids = runner.input_batch.req_ids
+        start = 0
+        rows, drafts_at = [], []
+        for row, n in enumerate(metadata.num_draft_tokens):
+            st = self.states.get(req_ids[row]) if row < len(req_ids) else None
+            if n and st is not None and st.topn > 1:
+                rows.append((start, n, st.topn))
+            start += n
+        if not rows:
+            return
+        idx = metadata.target_logits_indices
+        drafts = metadata.draft_token_ids
+        for start, n, topn in rows:
+            li = idx[start:start + n]
+            d = drafts[start:start + n].to(torch.long)
+            target = logits[li].float()
+            within = (target.topk(topn, dim=-1).indices == d[:, None]).any(-1)
+            if bool(within.any()):
+                li, d = li[within], d[within]
+                top = target[within].max(-1).values + 1.0
+                logits[li, d] = top.to(logits.dtype)
 
     def _get_runner(self):
         if self._runner is not None:
@@ -218,7 +263,14 @@ class KapProposer:
         h = plan.header
         st.plan_name = h.name
         st.plan_retained_ratio = float(h.retained_ratio)
-        st.accept = "greedy"
+        from kapc.runtime.executor import parse_accept
+
+        st.accept = str(opts.get("accept") or h.accept)
+        try:
+            st.topn = parse_accept(st.accept)
+        except ValueError as exc:
+            st.status, st.reason = "refused", f"plan refused: {exc}"
+            return
         st.speedup_predicted = float(h.cost.speedup)
         P, bs = len(req.prompt_token_ids), self.block_size
         blocks = np.asarray(plan.selected_blocks, dtype=np.int64)
