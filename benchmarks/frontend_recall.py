@@ -17,8 +17,9 @@ Variants:
   dense            dense score only
   fusion           sparse + dense + RRF fusion (ground averages their normalised values)
   graph            the full graph prior as kapc's graph frontend emits it by default
-                   (graph.DEFAULT): all four passage scores plus entity node units
+                   (graph.DEFAULT): all four passage scores plus second-hop entity node units
                    (ground mixes passage scores with the best anchored node score)
+  graph-no-nodes   the same without node units (ground averages the four passage scores)
   graph-ppr        the graph frontend's own ranking: the passage PPR score only
   graph-hipporag2, graph-hipporag2-ppr
                    the same under HippoRAG 2's settings (graph.HIPPORAG2), when the default
@@ -34,6 +35,7 @@ one thread (--threads), the dense encoder under bf16 autocast (--fp32 turns that
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -48,8 +50,12 @@ KEEP = {"bm25": {"sparse"}, "dense": {"dense"}, "fusion": {"sparse", "dense", "f
 def graph_configs() -> dict[str, object]:
     """Graph variant name -> GraphConfig: `graph` is kapc's default; `graph-hipporag2` is
     HippoRAG 2's setting, measured alongside when the default differs from it."""
+    import dataclasses
+
     from kapc.frontend import graph
     out = {"graph": graph.DEFAULT}
+    if graph.DEFAULT.max_nodes > 0:
+        out["graph-no-nodes"] = dataclasses.replace(graph.DEFAULT, max_nodes=0)
     if graph.DEFAULT != graph.HIPPORAG2:
         out["graph-hipporag2"] = graph.HIPPORAG2
     return out
@@ -58,7 +64,8 @@ def graph_configs() -> dict[str, object]:
 def variants() -> tuple[str, ...]:
     names = list(BASE)
     for g in graph_configs():
-        names += [g, f"{g}-ppr"]
+        # graph-no-nodes has the default's PPR: its -ppr variant would repeat graph-ppr
+        names += [g] if g == "graph-no-nodes" else [g, f"{g}-ppr"]
     return tuple(names)
 
 
@@ -95,8 +102,11 @@ def run_one(index: int, length: int, passes, ctx) -> dict:
     name = f"hotpotqa-{lc.question_id}-{length}"
     scored = hybrid.score_passages(question, passages, "fusion")
     priors = {}
+    runs = {}  # configs that differ only in their node units share one graph run
     for g, cfg in graph_configs().items():
-        sg = hybrid.with_graph(question, passages, scored, cfg)
+        key = dataclasses.replace(cfg, max_nodes=0)
+        sg = runs.get(key) or runs.setdefault(key, hybrid.with_graph(question, passages, scored,
+                                                                      cfg))
         priors[g] = hybrid.prior_from_scored(lc.request, name, "graph", passages, sg, meta=meta,
                                              graph_config=cfg)
     t2 = time.perf_counter()

@@ -30,8 +30,9 @@ FrontendOpt = Annotated[str, typer.Option(
     "--frontend", help="graph (sparse + dense + fusion + entity-graph PPR), fusion, dense or "
     "bm25.")]
 GraphOpt = Annotated[str, typer.Option(
-    "--graph", help="Graph frontend setting: default (kapc's, measured in docs/frontend.md) or "
-    "hipporag2 (HippoRAG 2's: passage node weight 0.05, 100 node units).")]
+    "--graph", help="Graph frontend setting: default (kapc's, measured in docs/frontend.md: "
+    "passage node weight 0.5, second-hop node units from the 2 best passages) or hipporag2 "
+    "(HippoRAG 2's: passage node weight 0.05, the 100 highest-PPR node units).")]
 TokensOpt = Annotated[int, typer.Option(
     "--context-tokens", "-n", help="Target prompt length in model tokens (chat template "
     "included); the prompt is the longest that fits.")]

@@ -30,6 +30,10 @@ Seeds (the reset distribution):
 
 PPR uses damping 0.5 (HippoRAG 2's default) with igraph's prpack, or networkx when igraph is
 missing.
+
+Node units for the prior come either from PPR (`node_mode="ppr"`, HippoRAG 2's way: the entities
+with the highest PPR) or from a second hop (`node_mode="hop"`, kapc's default: `hop_nodes`, the
+entities of the best passages, leading to the pages titled by them).
 """
 
 from __future__ import annotations
@@ -70,26 +74,45 @@ class GraphConfig:
     # Entities found in more than this share of the passages are dropped (1.0 keeps all).
     max_entity_share: float = 1.0
     skip_labels: frozenset[str] = SKIP_LABELS
-    # Node units emitted into the prior: how many (highest PPR first) and which scores.
+    # Node units emitted into the prior: how many, chosen how, and which scores.
+    # `node_mode="ppr"` (HippoRAG 2's way): the `max_nodes` entities with the highest PPR, scored
+    # by `node_scores` out of ppr, dense (similarity to the question) and seed (reset weight).
+    # `node_mode="hop"` (kapc's default): second-hop nodes, the entities of the `hop_sources`
+    # best passages (see `hop_nodes`), scored by `hop`.
     max_nodes: int = 100
     node_scores: tuple[str, ...] = ("ppr", "dense", "seed")
+    node_mode: str = "ppr"
+    hop_sources: int = 2
+
+    def __post_init__(self) -> None:
+        if self.node_mode not in NODE_MODES:
+            raise ValueError(f"node_mode must be one of {', '.join(NODE_MODES)}, "
+                             f"not {self.node_mode!r}")
 
     def params(self) -> dict:
-        return {"damping": self.damping, "passage_node_weight": self.passage_node_weight,
-                "synonym_threshold": self.synonym_threshold, "link_top_k": self.link_top_k,
-                "title_edge_weight": self.title_edge_weight,
-                "max_entity_share": self.max_entity_share,
-                "skip_labels": sorted(self.skip_labels), "max_nodes": self.max_nodes,
-                "node_scores": list(self.node_scores)}
+        out = {"damping": self.damping, "passage_node_weight": self.passage_node_weight,
+               "synonym_threshold": self.synonym_threshold, "link_top_k": self.link_top_k,
+               "title_edge_weight": self.title_edge_weight,
+               "max_entity_share": self.max_entity_share,
+               "skip_labels": sorted(self.skip_labels), "max_nodes": self.max_nodes,
+               "node_scores": list(self.node_scores), "node_mode": self.node_mode}
+        if self.node_mode == "hop":
+            out["hop_sources"] = self.hop_sources
+        return out
+
+
+NODE_MODES = ("ppr", "hop")
 
 
 HIPPORAG2 = GraphConfig()
 # kapc's default, tuned on HotpotQA dev questions 1000-1099 and reported on 0-499 (never on the
 # tuning questions; docs/frontend.md): the dense evidence seeds PPR ten times more strongly
-# (passage node weight 0.5), and no node units go into the prior, because under the compiler's
-# `ground` (which mixes in the best anchored node score at weight 0.5) every node setting tried
-# (10, 30 or 100 nodes; PPR, dense or all scores) lowered recall.
-DEFAULT = GraphConfig(passage_node_weight=0.5, max_nodes=0)
+# (passage node weight 0.5), and the node units are second-hop nodes (`hop_nodes`): the entities
+# of the two best passages, each anchored at its mentions there and in the passage titled by it.
+# Under the compiler's `ground` (best anchored node score mixed in at weight 0.5) they lift the
+# page a bridge entity leads to; the highest-PPR nodes of HippoRAG 2 lowered recall instead.
+DEFAULT = GraphConfig(passage_node_weight=0.5, node_mode="hop", hop_sources=2,
+                      node_scores=("hop",))
 CONFIGS = {"default": DEFAULT, "hipporag2": HIPPORAG2}
 
 
@@ -189,6 +212,7 @@ class GraphResult:
     entity_seed: np.ndarray
     edges: dict[str, int]
     question_entities: list[str]
+    question_keys: frozenset[str] = frozenset()
 
 
 def extract(texts: list[str], titles: list[str | None],
@@ -273,15 +297,23 @@ def personalized_pagerank(n: int, edges: dict[tuple[int, int], float], reset: np
     return np.asarray([pr[i] for i in range(n)], dtype=np.float64)
 
 
-def run_graph(question: str, texts: list[str], titles: list[str | None], dense: np.ndarray,
-              config: GraphConfig | None = None, **overrides) -> GraphResult:
-    """Build the entity graph over `texts` and run PPR seeded from the question. `config`
-    defaults to `DEFAULT`; keyword arguments override single fields of it."""
-    import dataclasses
-    cfg = dataclasses.replace(config or DEFAULT, **overrides)
-    damping, passage_node_weight = cfg.damping, cfg.passage_node_weight
-    synonym_threshold, link_top_k = cfg.synonym_threshold, cfg.link_top_k
-    title_edge_weight = cfg.title_edge_weight
+@dataclass
+class Graph:
+    """The entity graph of one prompt, before any seeding: nodes 0..n_passages-1 are the
+    passages, then one node per entity."""
+
+    n_passages: int
+    entities: list[Entity]
+    edges: dict[tuple[int, int], float]
+    counts: dict[str, int]
+    entity_dense: np.ndarray  # cosine of each entity name to the question
+    question_keys: set[str]  # normalised names of the entities the question mentions
+
+
+def build_graph(question: str, texts: list[str], titles: list[str | None],
+                cfg: GraphConfig) -> Graph:
+    """Entities, edges (context, co-occurrence, synonym) and the question's entities."""
+    synonym_threshold, title_edge_weight = cfg.synonym_threshold, cfg.title_edge_weight
     n_p = len(texts)
     ents = extract(texts, titles, skip_labels=cfg.skip_labels)
     if cfg.max_entity_share < 1.0:
@@ -312,7 +344,7 @@ def run_graph(question: str, texts: list[str], titles: list[str | None], dense: 
                 if (n_p + a, n_p + b) not in edges:
                     counts["cooccurrence"] += 1
                 edges[(n_p + a, n_p + b)] += 1.0
-    # synonyms and question linking, by embedding
+    # synonyms, by embedding
     q_vec = embedder()([question])[0]
     if n_e:
         vecs = embedder()([e.name for e in ents], batch_size=128)  # short strings
@@ -326,22 +358,89 @@ def run_graph(question: str, texts: list[str], titles: list[str | None], dense: 
                 edges[key] = float(sims[a, b])
     else:
         ent_dense = np.zeros(0)
-    # seeds
     q_keys = _question_entity_keys(question, ents, cfg.skip_labels)
+    return Graph(n_passages=n_p, entities=ents, edges=dict(edges), counts=counts,
+                 entity_dense=ent_dense, question_keys=q_keys)
+
+
+def entity_seeds(g: Graph, link_top_k: int = LINK_TOP_K) -> np.ndarray:
+    """The entities' reset weights: 1 for those the question mentions, the cosine for the
+    `link_top_k` most similar to the question, each divided by its number of passages."""
+    n_e = len(g.entities)
     ent_seed = np.zeros(n_e)
-    for j, ent in enumerate(ents):
-        if ent.key in q_keys:
+    for j, ent in enumerate(g.entities):
+        if ent.key in g.question_keys:
             ent_seed[j] = 1.0
     if n_e and link_top_k > 0:
-        top = np.lexsort((np.arange(n_e), -ent_dense))[:link_top_k]
+        top = np.lexsort((np.arange(n_e), -g.entity_dense))[:link_top_k]
         for j in top:
-            ent_seed[j] = max(ent_seed[j], max(float(ent_dense[j]), 0.0))
-    for j, ent in enumerate(ents):
+            ent_seed[j] = max(ent_seed[j], max(float(g.entity_dense[j]), 0.0))
+    for j, ent in enumerate(g.entities):
         if ent_seed[j] > 0:
             ent_seed[j] /= max(1, len(ent.passages))
-    reset = np.concatenate([minmax(dense) * passage_node_weight, ent_seed])
-    ppr = personalized_pagerank(n_p + n_e, edges, reset, damping)
+    return ent_seed
+
+
+def run_graph(question: str, texts: list[str], titles: list[str | None], dense: np.ndarray,
+              config: GraphConfig | None = None, **overrides) -> GraphResult:
+    """Build the entity graph over `texts` and run PPR seeded from the question. `config`
+    defaults to `DEFAULT`; keyword arguments override single fields of it."""
+    import dataclasses
+    cfg = dataclasses.replace(config or DEFAULT, **overrides)
+    g = build_graph(question, texts, titles, cfg)
+    n_p, ents = g.n_passages, g.entities
+    ent_seed = entity_seeds(g, cfg.link_top_k)
+    reset = np.concatenate([minmax(dense) * cfg.passage_node_weight, ent_seed])
+    ppr = personalized_pagerank(n_p + len(ents), g.edges, reset, cfg.damping)
     return GraphResult(
-        passage_ppr=ppr[:n_p], entities=ents, entity_ppr=ppr[n_p:], entity_dense=ent_dense,
-        entity_seed=ent_seed, edges=counts,
-        question_entities=sorted(ents[j].name for j in range(n_e) if ents[j].key in q_keys))
+        passage_ppr=ppr[:n_p], entities=ents, entity_ppr=ppr[n_p:], entity_dense=g.entity_dense,
+        entity_seed=ent_seed, edges=g.counts,
+        question_entities=sorted(e.name for e in ents if e.key in g.question_keys),
+        question_keys=frozenset(g.question_keys))
+
+
+@dataclass
+class HopNode:
+    """One second-hop node: entity `index` of the graph, reached from `sources` (passages among
+    the best ones that mention it), leading to `pages` (passages titled by it, if any)."""
+
+    index: int
+    score: float
+    sources: list[int]
+    pages: list[int]
+    mentions: list[tuple[int, int, int]]  # (passage, start, end), in pages and sources
+
+
+def hop_nodes(g: GraphResult, titles: list[str | None], own: np.ndarray,
+              sources: int = 2, max_anchors: int = 32) -> list[HopNode]:
+    """Second-hop expansion from the best passages, the way a bridge question is answered: the
+    entities mentioned in the `sources` passages with the highest `own` score (not the
+    question's own entities, which every related passage mentions), each scored by the best
+    `own` among those passages that mention it and anchored at its mentions there and in the
+    passage(s) titled by it (a bridge entity's own page). Best score first; a bridge (an entity
+    with a page in the prompt) before a non-bridge of equal score."""
+    n = len(own)
+    if n == 0 or sources <= 0:
+        return []
+    top = np.lexsort((np.arange(n), -np.asarray(own)))[:sources].tolist()
+    top_set = set(top)
+    pages_of: dict[str, list[int]] = defaultdict(list)
+    for p, t in enumerate(titles):
+        if t:
+            pages_of[normalize(title_entity(t))].append(p)
+    out = []
+    for j, ent in enumerate(g.entities):
+        if ent.key in g.question_keys:
+            continue
+        pages = list(pages_of.get(ent.key, []))
+        src = [p for p in ent.passages if p in top_set and p not in pages]
+        if not src:
+            continue
+        page_m = [m for m in ent.mentions if m[0] in pages]
+        src_m = [m for m in ent.mentions if m[0] in src]
+        page_m = page_m[:max_anchors // 2]  # keep room for the pages among the anchors
+        mentions = sorted(page_m + src_m[:max_anchors - len(page_m)])
+        out.append(HopNode(index=j, score=max(float(own[p]) for p in src), sources=src,
+                           pages=pages, mentions=mentions))
+    out.sort(key=lambda h: (-h.score, not h.pages, h.index))
+    return out

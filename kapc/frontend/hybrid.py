@@ -10,9 +10,10 @@ Frontends (`frontend=`), each emitting every score it computed on every passage 
 * `dense`: `dense`;
 * `fusion`: `sparse`, `dense`, and their reciprocal-rank fusion `fusion`;
 * `graph` (default): all of the above plus `ppr` from Personalized PageRank over the entity graph
-  (kapc.frontend.graph), and, when the graph setting asks for them (`graph.HIPPORAG2`: 100;
-  kapc's `graph.DEFAULT`: none), `node` units for the entities with the highest PPR, anchored
-  at their mentions in the passages.
+  (kapc.frontend.graph), and `node` units anchored at their mentions in the passages: with
+  kapc's `graph.DEFAULT`, second-hop nodes (the entities of the two best passages, scored `hop`,
+  anchored there and in the page each leads to; provenance in `frontend.params.graph.hops`);
+  with `graph.HIPPORAG2`, the 100 entities with the highest PPR.
 
 `Frontend.params.primary_score` names the score the frontend itself would rank passages by.
 """
@@ -99,29 +100,62 @@ def _slug(name: str) -> str:
     return s or "x"
 
 
+def own_scores(scores: dict[str, np.ndarray]) -> np.ndarray:
+    """Each passage's mean min-max normalised score (a constant score counts 1), the same
+    "own part" the compiler's `ground` computes from the passage units."""
+    parts = []
+    for v in scores.values():
+        v = np.round(np.asarray(v, dtype=np.float64), 8)
+        lo, hi = float(v.min()), float(v.max())
+        parts.append((v - lo) / (hi - lo) if hi > lo else np.ones_like(v))
+    return np.mean(parts, axis=0)
+
+
 def _units(passages: list[Segment], scored: Scored, max_nodes: int,
-           node_scores: tuple[str, ...] = ("ppr", "dense", "seed")) -> list[Unit]:
+           cfg: graph_mod.GraphConfig) -> tuple[list[Unit], list[dict]]:
+    """The passage units, then the node units (`cfg.node_mode`); with hop nodes also their
+    provenance (node id, the passages it was reached from, the pages it leads to)."""
     units = [Unit(id=seg.id, kind="passage", segment=seg.id, text=seg.title or "",
                   scores={k: round(float(v[i]), 8) for k, v in scored.scores.items()})
              for i, seg in enumerate(passages)]
     g = scored.graph
-    if g is None or not g.entities:
-        return units
-    order = np.lexsort((np.arange(len(g.entities)), -g.entity_ppr))[:max_nodes]
+    if g is None or not g.entities or max_nodes <= 0:
+        return units, []
     used: set[str] = set()
+
+    def uid_for(name: str) -> str:
+        uid, k = "ent:" + _slug(name), 2
+        while uid in used:
+            uid, k = f"ent:{_slug(name)}.{k}", k + 1
+        used.add(uid)
+        return uid
+
+    def anchors(mentions) -> list[Anchor]:
+        return [Anchor(segment=passages[p].id, start=a, end=b)
+                for p, a, b in mentions[:MAX_ANCHORS]]
+
+    hops: list[dict] = []
+    if cfg.node_mode == "hop":
+        own = own_scores(scored.scores)
+        for h in graph_mod.hop_nodes(g, [s.title for s in passages], own, cfg.hop_sources,
+                                     MAX_ANCHORS)[:max_nodes]:
+            ent = g.entities[h.index]
+            uid = uid_for(ent.name)
+            values = {"hop": h.score, "ppr": g.entity_ppr[h.index],
+                      "dense": g.entity_dense[h.index], "seed": g.entity_seed[h.index]}
+            units.append(Unit(id=uid, kind="node", text=ent.name, anchors=anchors(h.mentions),
+                              scores={k: round(float(values[k]), 8) for k in cfg.node_scores}))
+            hops.append({"node": uid, "from": [passages[p].id for p in h.sources],
+                         "to": [passages[p].id for p in h.pages]})
+        return units, hops
+    order = np.lexsort((np.arange(len(g.entities)), -g.entity_ppr))[:max_nodes]
     for j in order.tolist():
         ent = g.entities[j]
-        uid = "ent:" + _slug(ent.name)
-        k = 2
-        while uid in used:
-            uid, k = f"ent:{_slug(ent.name)}.{k}", k + 1
-        used.add(uid)
-        anchors = [Anchor(segment=passages[p].id, start=a, end=b)
-                   for p, a, b in ent.mentions[:MAX_ANCHORS]]
         values = {"ppr": g.entity_ppr[j], "dense": g.entity_dense[j], "seed": g.entity_seed[j]}
-        units.append(Unit(id=uid, kind="node", text=ent.name, anchors=anchors,
-                          scores={k: round(float(values[k]), 8) for k in node_scores}))
-    return units
+        units.append(Unit(id=uid_for(ent.name), kind="node", text=ent.name,
+                          anchors=anchors(ent.mentions),
+                          scores={k: round(float(values[k]), 8) for k in cfg.node_scores}))
+    return units, hops
 
 
 def score_request(request: Request, name: str, frontend: str = "graph", *,
@@ -157,8 +191,10 @@ def prior_from_scored(request: Request, name: str, frontend: str, passages: list
             "preset": next((k for k, v in graph_mod.CONFIGS.items() if v == cfg), "custom"),
             "entities": len(scored.graph.entities), "edges": scored.graph.edges,
             "question_entities": scored.graph.question_entities}
-    prior = Prior(name=name, request=request,
-                  units=_units(passages, scored, max_nodes, cfg.node_scores),
+    units, hops = _units(passages, scored, max_nodes, cfg)
+    if hops:
+        params["graph"]["hops"] = hops
+    prior = Prior(name=name, request=request, units=units,
                   frontend=Frontend(name=f"kapc-{frontend}", version=__version__, params=params),
                   meta=meta or {})
     return validated(prior)

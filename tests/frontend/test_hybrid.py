@@ -38,8 +38,72 @@ def test_graph_prior_carries_every_score(graph_priors):
         assert set(prior.meta["gold_passages"]) <= {u.segment for u in units}
 
 
+def test_default_emits_second_hop_nodes_with_provenance(graph_priors):
+    # Question 1: "What government position was held by the woman who portrayed Corliss Archer
+    # in the film Kiss and Tell?"; the bridge is Shirley Temple, whose page is gold.
+    prior = graph_priors[1]
+    segs = {s.id: s for m in prior.request.messages for s in m.segments}
+    units = _passage_units(prior)
+    nodes = [u for u in prior.units if u.kind == "node"]
+    hops = prior.frontend.params["graph"]["hops"]
+    assert nodes and [h["node"] for h in hops] == [u.id for u in nodes]
+    assert prior.frontend.params["graph"]["node_mode"] == "hop"
+    # the sources are the two passages with the best mean normalised score
+    own = hybrid.own_scores({k: np.array([u.scores[k] for u in units]) for k in units[0].scores})
+    top2 = {units[i].segment for i in np.argsort(-own, kind="stable")[:2]}
+    q_keys = {graph.normalize(n) for n in prior.frontend.params["graph"]["question_entities"]}
+    hop = [u.scores["hop"] for u in nodes]
+    assert hop == sorted(hop, reverse=True)
+    for u, h in zip(nodes, hops):
+        assert set(u.scores) == {"hop"} and u.anchors
+        assert h["from"] and set(h["from"]) <= top2
+        assert u.scores["hop"] == pytest.approx(max(own[int(p[1:])] for p in h["from"]),
+                                                abs=1e-6)
+        assert graph.normalize(u.text) not in q_keys
+        # anchored at its mentions, only in the passages it came from and the pages it leads to
+        assert {a.segment for a in u.anchors} <= set(h["from"]) | set(h["to"])
+        for a in u.anchors:
+            assert graph.normalize(segs[a.segment].text[a.start:a.end]) == graph.normalize(u.text)
+        for page in h["to"]:
+            assert graph.normalize(graph.title_entity(segs[page].title)) == \
+                graph.normalize(u.text)
+            assert page in {a.segment for a in u.anchors}
+    bridge = next(h for u, h in zip(nodes, hops) if graph.normalize(u.text) == "shirley temple")
+    gold = set(prior.meta["gold_passages"])
+    assert set(bridge["to"]) & gold and set(bridge["from"]) & gold
+
+
+def test_hop_nodes_lift_the_bridge_page_under_ground(graph_priors):
+    # The compiler's ground mixes the best anchored node score in: the gold page the bridge
+    # entity leads to gains on every passage no node is anchored in.
+    import dataclasses
+
+    from kapc.ingest import module_from_prior
+    from kapc.passes import CompileContext
+    from kapc.pipeline import parse_pipeline, run_pipeline
+    prior = graph_priors[1]
+    bare = hybrid.hotpotqa_prior(1, N, graph_config=dataclasses.replace(graph.DEFAULT,
+                                                                        max_nodes=0))
+    assert not [u for u in bare.units if u.kind == "node"]
+
+    def priors(p):
+        out = run_pipeline(module_from_prior(p), parse_pipeline("ground"), CompileContext(),
+                           verify=False).module
+        return {e.id: e.prior for e in out.evidence}
+
+    with_nodes, without = priors(prior), priors(bare)
+    anchored = {a.segment for u in prior.units if u.kind == "node" for a in u.anchors}
+    page = next(h["to"][0] for h in prior.frontend.params["graph"]["hops"]
+                if h["to"] and h["to"][0] in prior.meta["gold_passages"])
+    rank = lambda ps, pid: sorted(ps, key=lambda k: -ps[k]).index(pid)  # noqa: E731
+    assert rank(with_nodes, page) < rank(without, page)
+    for pid in with_nodes:
+        if pid not in anchored:
+            assert with_nodes[pid] == pytest.approx(without[pid] / 2, abs=1e-5)
+
+
 def test_node_units_are_anchored_at_their_mentions():
-    # kapc's default emits no node units (docs/frontend.md); HippoRAG 2's setting emits 100.
+    # HippoRAG 2's setting emits the 100 entities with the highest PPR.
     prior = hybrid.hotpotqa_prior(1, N, graph_config=graph.HIPPORAG2)
     segs = {s.id: s for m in prior.request.messages for s in m.segments}
     nodes = [u for u in prior.units if u.kind == "node"]

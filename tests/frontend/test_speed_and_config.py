@@ -42,6 +42,29 @@ def test_preset_recorded_and_node_scores_follow_config(lc):
     assert prior.frontend.params["graph"]["preset"] == "custom"
 
 
+def test_node_mode_is_checked_and_ppr_mode_ignores_hop_sources():
+    with pytest.raises(ValueError, match="node_mode"):
+        graph.GraphConfig(node_mode="nope")
+    assert "hop_sources" not in graph.HIPPORAG2.params()
+    assert graph.DEFAULT.params()["hop_sources"] == 2 and graph.DEFAULT.node_scores == ("hop",)
+
+
+def test_hop_sources_bound_where_nodes_come_from(lc):
+    passages, question = hybrid.request_parts(lc.request)
+    scored = hybrid.score_passages(question, passages, "graph")
+    own = hybrid.own_scores(scored.scores)
+    titles = [s.title for s in passages]
+    one = graph.hop_nodes(scored.graph, titles, own, sources=1)
+    two = graph.hop_nodes(scored.graph, titles, own, sources=2)
+    best = int(np.argmax(own))
+    assert one and all(h.sources == [best] for h in one)
+    assert {h.index for h in one} <= {h.index for h in two}
+    assert graph.hop_nodes(scored.graph, titles, own, sources=0) == []
+    cfg = dataclasses.replace(graph.DEFAULT, max_nodes=3)
+    prior = hybrid.prior_from_scored(lc.request, "x", "graph", passages, scored, graph_config=cfg)
+    assert len([u for u in prior.units if u.kind == "node"]) == 3
+
+
 def test_default_preset_is_used_without_a_config(lc):
     prior = hybrid.score_request(lc.request, "x")
     params = prior.frontend.params["graph"]
@@ -126,7 +149,7 @@ def test_benchmark_scores_once_per_prompt(monkeypatch):
     row = fr.run_one(1, N, passes, CompileContext())
     assert calls == ["fusion"]  # one scoring run; the graph runs on top of it per config
     assert set(row["recall"]) == set(fr.variants())
-    assert {"bm25", "dense", "fusion", "graph", "graph-ppr",
+    assert {"bm25", "dense", "fusion", "graph", "graph-no-nodes", "graph-ppr",
             "graph-hipporag2"} <= set(row["recall"])
     assert all(0.0 <= r <= 1.0 for r in row["recall"].values())
     assert row["cpu_s"] > 0 and row["passages"] > 10
