@@ -2,14 +2,22 @@
 
     python -m benchmarks.decode                          # 2K/4K/8K x batch 1/4/8 x 128 tokens
     python -m benchmarks.decode --contexts 2048 --batches 1,4 --new-tokens 32   # quick
+    python -m benchmarks.decode --plans gold             # oracle plans: the gold passages only
 
 For each context length, real HotpotQA prompts (a question's own ten paragraphs plus hard negatives
 from other questions, up to the length) are prefilled ONCE into the paged KV cache's prefix cache;
-every configuration then forks them, so prefill is not part of what is compared. For each batch
-size it decodes the batch full-context, then under plans that select the gold passages' blocks,
-the instruction (with the attention sink), the question and the tail, and prints: decode
-throughput of both and their ratio, the executed s, the observed acceptance h, the cost model's prediction (with the plan's
-assumed h and with the observed h), whether outputs are identical, and where the time goes.
+every configuration then forks them, so prefill is not part of what is compared. Every request
+decodes exactly --new-tokens tokens (EOS ignored), so both sides do the same work. For each batch
+size it decodes the batch full-context, then under plans, and prints: decode throughput of both
+and their ratio, the executed s, the observed acceptance h, the cost model's prediction (with the
+plan's assumed h and with the observed h), whether outputs are identical, and where the time goes.
+
+Plans (--plans):
+  frontend  (default) what a user runs: kapc's graph frontend scores the prompt
+            (kapc.frontend.hybrid.hotpotqa_prior) and the compiler selects --budget-ratio of it
+            (`ground,align-spans,select,resolve-pages,compact`), compiled per batch size;
+  gold      oracle plans that keep the gold passages' blocks, the instruction (with the
+            attention sink), the question and the tail (runtime/prompts.py's prompts).
 """
 
 from __future__ import annotations
@@ -35,6 +43,11 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=6, help="proposal length")
     ap.add_argument("--accept", default="greedy", help="greedy or topN")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--plans", choices=("frontend", "gold"), default="frontend")
+    ap.add_argument("--budget-ratio", type=lambda v: [float(x) for x in v.split(",") if x],
+                    default=[0.1], help="select's budget for --plans frontend; a comma list "
+                    "sweeps budgets against the same full-context run")
+    ap.add_argument("--frontend", default="graph", help="frontend scores for --plans frontend")
     ap.add_argument("--first-question", type=int, default=0,
                     help="HotpotQA dev index of the first question (the batch takes consecutive)")
     ap.add_argument("--model", default=None, help="local Hugging Face folder (default SmolLM2)")
@@ -48,8 +61,6 @@ def main(argv=None) -> int:
 
     from kapc.runtime.executor import Executor, Request
     from kapc.runtime.model import load_model
-    from kapc.runtime.planning import plan_from_blocks, predicted_speedup
-    from kapc.runtime.prompts import build_long_prompt
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -62,59 +73,37 @@ def main(argv=None) -> int:
     rows = []
     for L in args.contexts:
         t0 = time.perf_counter()
-        prompts = [build_long_prompt(m.tokenizer, args.first_question + i, L) for i in range(nb)]
-        lens = [len(p.token_ids) for p in prompts]
+        cases = _cases(m, L, nb, args)
+        lens = [len(ids) for ids, _ in cases]
         per_seq = -(-(max(lens) + args.new_tokens + k + 2 * bs) // bs)
         ex = Executor(m, block_size=bs, kv_blocks=2 * nb * per_seq + 8, prefix_cache=True,
                       honor_predicted_loss=False)
         t1 = time.perf_counter()
-        _, pst = ex.generate([Request(p.token_ids, max_tokens=1) for p in prompts])
+        _, pst = ex.generate([Request(ids, max_tokens=1) for ids, _ in cases])
         print(f"\n== context {L}: prompts of {min(lens)}-{max(lens)} tokens (built in "
               f"{t1 - t0:.1f}s, prefilled once in {pst.prefill_s:.1f}s)", flush=True)
         for B in args.batches:
-            ps = prompts[:B]
-            full_res, fst = ex.generate([Request(p.token_ids, max_tokens=args.new_tokens)
-                                         for p in ps])
-            plans = [plan_from_blocks(m, p.token_ids,
-                                      p.instruction_blocks(bs) + p.gold_blocks(bs) +
-                                      p.question_blocks(bs),
-                                      block_size=bs, k=k, accept=args.accept, batch=B,
-                                      name=f"hotpotqa-{args.first_question + i}-{L}")
-                     for i, p in enumerate(ps)]
-            plan_res, pst = ex.generate([Request(p.token_ids, plan=pl,
-                                                 max_tokens=args.new_tokens)
-                                         for p, pl in zip(ps, plans)])
-            identical = all(a.tokens == b.tokens for a, b in zip(full_res, plan_res))
-            prop = sum(r.proposed for r in plan_res)
-            acc = sum(r.accepted for r in plan_res)
-            h = acc / prop if prop else 0.0
-            s = sum(r.retained_ratio or 0 for r in plan_res) / B
-            ftps = fst.decode_tokens / fst.decode_s
-            ptps = pst.decode_tokens / pst.decode_s
-            kv = sum(pl.header.cost.kv_bytes for pl in plans) / B
-            pred_h = predicted_speedup(m.weight_bytes, kv, B, s, h, k)
-            row = {
-                "context": L, "prompt_tokens": sum(len(p.token_ids) for p in ps) / B,
-                "batch": B, "new_tokens": args.new_tokens, "k": k, "accept": args.accept,
-                "full_tok_s": ftps, "plan_tok_s": ptps, "speedup_measured": ptps / ftps,
-                "s": s, "h": h, "tokens_per_cycle": sum(r.decode_tokens for r in plan_res) /
-                max(1, sum(r.cycles for r in plan_res)),
-                "speedup_predicted_plan": plans[0].header.cost.speedup,
-                "assumed_h": plans[0].header.cost.h, "speedup_predicted_observed_h": pred_h,
-                "pays": plans[0].header.cost.pays, "identical": identical,
-                "fallbacks": [r.fallback_reason for r in plan_res if r.fallback_reason],
-                "full": fst.as_dict(), "plan": pst.as_dict(),
-            }
-            rows.append(row)
-            _print_row(row)
+            cs = cases[:B]
+            full_res, fst = ex.generate([Request(ids, max_tokens=args.new_tokens,
+                                                 ignore_eos=True) for ids, _ in cs])
+            budgets = args.budget_ratio if args.plans == "frontend" else [None]
+            for budget in budgets:
+                plans = [make_plan(B, budget) for _, make_plan in cs]
+                plan_res, pst = ex.generate([Request(ids, plan=pl, max_tokens=args.new_tokens,
+                                                     ignore_eos=True)
+                                             for (ids, _), pl in zip(cs, plans)])
+                row = _row(m, L, B, budget, args, cs, plans, full_res, fst, plan_res, pst)
+                rows.append(row)
+                _print_row(row)
         ex.clear_prefix_cache()
         ex.cache.check_no_leak()
         del ex
     print("\nsummary")
-    print(f"{'ctx':>6} {'B':>3} {'full tok/s':>10} {'plan tok/s':>10} {'speedup':>8} "
+    print(f"{'ctx':>6} {'B':>3} {'budget':>6} {'full tok/s':>10} {'plan tok/s':>10} {'speedup':>8} "
           f"{'pred':>6} {'pred@h':>7} {'s':>6} {'h':>5} {'tok/cyc':>7} identical")
     for r in rows:
-        print(f"{r['context']:>6} {r['batch']:>3} {r['full_tok_s']:>10.2f} "
+        budget = "gold" if r["budget_ratio"] is None else f"{r['budget_ratio']:.2f}"
+        print(f"{r['context']:>6} {r['batch']:>3} {budget:>6} {r['full_tok_s']:>10.2f} "
               f"{r['plan_tok_s']:>10.2f} {r['speedup_measured']:>7.2f}x "
               f"{r['speedup_predicted_plan']:>5.2f}x {r['speedup_predicted_observed_h']:>6.2f}x "
               f"{r['s']:>6.3f} {r['h']:>5.2f} {r['tokens_per_cycle']:>7.2f} {r['identical']}")
@@ -124,14 +113,89 @@ def main(argv=None) -> int:
     return 0
 
 
+def _row(m, L, B, budget, args, cs, plans, full_res, fst, plan_res, pst) -> dict:
+    from kapc.runtime.planning import predicted_speedup
+
+    k = args.k
+    identical = all(a.tokens == b.tokens for a, b in zip(full_res, plan_res))
+    prop = sum(r.proposed for r in plan_res)
+    acc = sum(r.accepted for r in plan_res)
+    s = sum(r.retained_ratio or 0 for r in plan_res) / B
+    h = acc / prop if prop else 0.0
+    kv = sum(pl.header.cost.kv_bytes for pl in plans) / B
+    ftps = fst.decode_tokens / fst.decode_s
+    ptps = pst.decode_tokens / pst.decode_s
+    return {
+        "context": L, "prompt_tokens": sum(len(ids) for ids, _ in cs) / B, "plans": args.plans,
+        "budget_ratio": budget, "batch": B, "new_tokens": args.new_tokens, "k": k,
+        "accept": args.accept, "full_tok_s": ftps, "plan_tok_s": ptps,
+        "speedup_measured": ptps / ftps, "s": s, "h": h,
+        "h_per_request": [r.acceptance_rate for r in plan_res],
+        "tokens_per_cycle": sum(r.decode_tokens for r in plan_res) /
+        max(1, sum(r.cycles for r in plan_res)),
+        "speedup_predicted_plan": plans[0].header.cost.speedup,
+        "assumed_h": plans[0].header.cost.h,
+        "speedup_predicted_observed_h": predicted_speedup(m.weight_bytes, kv, B, s, h, k),
+        "pays": plans[0].header.cost.pays, "identical": identical,
+        "fallbacks": [r.fallback_reason for r in plan_res if r.fallback_reason],
+        "full": fst.as_dict(), "plan": pst.as_dict(),
+    }
+
+
+def _cases(m, L: int, n: int, args) -> list:
+    """n (prompt ids, (batch, budget) -> Plan) pairs for HotpotQA dev questions
+    first..first+n-1."""
+    from kapc.lower.kapb import decode_plan
+    from kapc.runtime.planning import plan_from_blocks
+    from kapc.runtime.prompts import build_long_prompt
+
+    bs, k, first = args.block_size, args.k, args.first_question
+    if args.plans == "gold":
+        out = []
+        for i in range(n):
+            p = build_long_prompt(m.tokenizer, first + i, L)
+            blocks = p.instruction_blocks(bs) + p.gold_blocks(bs) + p.question_blocks(bs)
+
+            def make(B, budget, p=p, blocks=blocks, i=i):
+                return plan_from_blocks(m, p.token_ids, blocks, block_size=bs, k=k,
+                                        accept=args.accept, batch=B,
+                                        name=f"hotpotqa-{first + i}-{L}")
+            out.append((list(p.token_ids), make))
+        return out
+    from benchmarks.vllm_decode import compile_prior
+    from kapc.frontend.hybrid import hotpotqa_prior
+    from kapc.passes import CompileContext
+
+    ctx = CompileContext()
+    out = []
+    for i in range(first, first + n):
+        t0 = time.perf_counter()
+        prior = hotpotqa_prior(i, context_tokens=L, frontend=args.frontend)
+        memo = {}
+
+        def make(B, budget, prior=prior, memo=memo):
+            if (B, budget) not in memo:
+                memo[B, budget] = decode_plan(compile_prior(
+                    prior, block_size=bs, budget_ratio=budget, k=k, batch=B, ctx=ctx,
+                    accept=args.accept))
+            return memo[B, budget]
+        ids = [int(t) for t in make(1, args.budget_ratio[0]).prompt_token_ids]
+        print(f"  prior q{i} at {L}: {len(ids)} tokens ({time.perf_counter() - t0:.1f}s)",
+              flush=True)
+        out.append((ids, make))
+    return out
+
+
 def _print_row(r: dict) -> None:
     f, p = r["full"], r["plan"]
-    print(f"-- batch {r['batch']}: full {r['full_tok_s']:.2f} tok/s, plan "
+    budget = "gold passages" if r["budget_ratio"] is None else f"budget {r['budget_ratio']}"
+    print(f"-- batch {r['batch']}, {budget}: full {r['full_tok_s']:.2f} tok/s, plan "
           f"{r['plan_tok_s']:.2f} tok/s -> {r['speedup_measured']:.2f}x measured; predicted "
           f"{r['speedup_predicted_plan']:.2f}x "
           f"(assumed h={r['assumed_h']:.2f}), {r['speedup_predicted_observed_h']:.2f}x at the "
           f"observed h; s={r['s']:.3f} h={r['h']:.3f} tokens/cycle={r['tokens_per_cycle']:.2f} "
-          f"identical={r['identical']}"
+          f"identical={r['identical']}; h per request "
+          f"{[round(x, 2) if x is not None else None for x in r['h_per_request']]}"
           + (f" fallbacks={r['fallbacks']}" if r["fallbacks"] else ""),
           flush=True)
     print(f"   full: {f['decode_s']:.1f}s = {f['verify_forwards']} forwards x "

@@ -35,21 +35,25 @@ def _log(*a):
 
 
 def pipeline_for(block_size: int = 32, budget_ratio: float = 0.2, k: int = 4,
-                 batch: int = 1) -> str:
+                 batch: int = 1, accept: str = "greedy") -> str:
     return (f"ground,align-spans,select{{budget-ratio={budget_ratio}}},"
-            f"resolve-pages{{block-size={block_size}}},compact{{k={k},batch={batch}}}")
+            f"resolve-pages{{block-size={block_size}}},"
+            f"compact{{k={k},batch={batch},accept={accept}}}")
 
 
 def compile_prior(prior, block_size: int = 32, budget_ratio: float = 0.2, k: int = 4,
-                  batch: int = 1, ctx=None) -> bytes:
+                  batch: int = 1, ctx=None, accept: str = "greedy") -> bytes:
     """A prior (or its JSON file) -> .kapb bytes, compiled for this block size."""
     from kapc.compiler import compile_to_kapb
 
-    return compile_to_kapb(prior, pipeline_for(block_size, budget_ratio, k, batch), ctx, verify=False)
+    return compile_to_kapb(prior, pipeline_for(block_size, budget_ratio, k, batch, accept), ctx,
+                           verify=False)
 
 
-def build_cases(contexts, n, block_size, k, budget_ratio, batches, frontend):
-    """{context: [(ids, {batch: plan bytes}), ...n]} for HotpotQA dev questions 0..n-1."""
+def build_cases(contexts, n, block_size, k, budget_ratio, batches, frontend, first: int = 0,
+                accept: str = "greedy"):
+    """{context: [(ids, {batch: plan bytes}), ...n]} for HotpotQA dev questions
+    first..first+n-1."""
     from kapc.frontend.hybrid import hotpotqa_prior
     from kapc.lower.kapb import decode_plan
     from kapc.passes import CompileContext
@@ -58,11 +62,11 @@ def build_cases(contexts, n, block_size, k, budget_ratio, batches, frontend):
     out = {}
     for c in contexts:
         rows = []
-        for i in range(n):
+        for i in range(first, first + n):
             t0 = time.perf_counter()
             prior = hotpotqa_prior(i, context_tokens=c, frontend=frontend)
             plans = {b: compile_prior(prior, block_size=block_size, budget_ratio=budget_ratio,
-                                      k=k, batch=b, ctx=ctx) for b in batches}
+                                      k=k, batch=b, ctx=ctx, accept=accept) for b in batches}
             ids = [int(t) for t in decode_plan(plans[batches[0]]).prompt_token_ids]
             rows.append((ids, plans))
             _log(f"  prior+plans q{i} at {c}: {len(ids)} tokens "

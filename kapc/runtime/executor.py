@@ -55,6 +55,7 @@ class Request:
     accept: str | None = None  # overrides the plan's rule
     k: int | None = None  # overrides the plan's proposal length
     req_id: object = None
+    ignore_eos: bool = False  # decode exactly max_tokens (benchmarks compare equal lengths)
 
 
 @dataclass
@@ -308,7 +309,7 @@ class Executor:
         s.prefill_s = time.perf_counter() - t0
 
     def _check_stop(self, s: _Seq) -> None:
-        if s.out and s.out[-1] in self.m.eos_ids:
+        if s.out and s.out[-1] in self.m.eos_ids and not s.req.ignore_eos:
             s.finished, s.finish_reason = True, "eos"
         elif len(s.out) >= s.max_tokens:
             s.finished, s.finish_reason = True, "length"
