@@ -6,7 +6,9 @@
 
 For each context length, real HotpotQA prompts (a question's own ten paragraphs plus hard negatives
 from other questions, up to the length) are prefilled ONCE into the paged KV cache's prefix cache;
-every configuration then forks them, so prefill is not part of what is compared. Every request
+every configuration then forks them, so prefill is not part of what is compared. A context's
+prompts stop short of the model's position limit less the output (SmolLM2: 8192 positions, so
+"8192" builds ~8000-token prompts; benchmarks.vllm_decode.fit_context). Every request
 decodes exactly --new-tokens tokens (EOS ignored), so both sides do the same work. For each batch
 size it decodes the batch full-context, then under plans, and prints: decode throughput of both
 and their ratio, the executed s, the observed acceptance h, the cost model's prediction (with the
@@ -147,13 +149,14 @@ def _cases(m, L: int, n: int, args) -> list:
     first..first+n-1."""
     from kapc.lower.kapb import decode_plan
     from kapc.runtime.planning import plan_from_blocks
+    from benchmarks.vllm_decode import fit_context
     from kapc.runtime.prompts import build_long_prompt
 
     bs, k, first = args.block_size, args.k, args.first_question
     if args.plans == "gold":
         out = []
         for i in range(n):
-            p = build_long_prompt(m.tokenizer, first + i, L)
+            p = build_long_prompt(m.tokenizer, first + i, fit_context(L, args.new_tokens, k, bs))
             blocks = p.instruction_blocks(bs) + p.gold_blocks(bs) + p.question_blocks(bs)
 
             def make(B, budget, p=p, blocks=blocks, i=i):
@@ -170,7 +173,8 @@ def _cases(m, L: int, n: int, args) -> list:
     out = []
     for i in range(first, first + n):
         t0 = time.perf_counter()
-        prior = hotpotqa_prior(i, context_tokens=L, frontend=args.frontend)
+        prior = hotpotqa_prior(i, context_tokens=fit_context(L, args.new_tokens, k, bs),
+                               frontend=args.frontend)
         memo = {}
 
         def make(B, budget, prior=prior, memo=memo):

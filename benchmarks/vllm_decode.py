@@ -6,12 +6,17 @@ hard negatives, nested prefixes of one ordered list), greedy, fixed output lengt
     python -m benchmarks.vllm_decode --quick            # 4K context, batch 1 and 4, 32 tokens
     python -m benchmarks.vllm_decode --contexts 4096 --batches 1,4 --max-tokens 64 --methods full,kapc
 
+A context's prompts stop short of the model's position limit less the output and lookahead
+(SmolLM2: 8192 positions, which vLLM enforces; `fit_context`).
+
 Per (context, batch) every prompt is prefilled once before timing (prefix caching on; each
 engine warms its own cache), so the timed run measures decoding: output tokens / wall seconds
 of one `LLM.generate` call with `ignore_eos`. Rows:
 
 - `full`: plain vLLM, no speculative decoding (the baseline; ratio 1);
 - `kapc`: kapc's proposer with the compiled plans (honouring no fallback, so the plan runs);
+- `kapc-top3`: the same plans with top-3 tolerant acceptance (not lossless: `same` is expected
+  to be False; every emitted token is within the full context's top 3);
 - `ngram`: vLLM's ngram (prompt lookup) speculative decoding, same k.
 
 Printed per row: output tokens/s, its ratio to `full`, s (retained ratio), h (measured
@@ -28,6 +33,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 
 def _log(*a):
@@ -50,10 +56,26 @@ def compile_prior(prior, block_size: int = 32, budget_ratio: float = 0.2, k: int
                            verify=False)
 
 
+def model_max_len(model_dir=None) -> int:
+    """The model's position limit (max_position_embeddings; SmolLM2-135M: 8192)."""
+    from kapc.models import ensure_default_model
+
+    path = Path(model_dir) if model_dir else ensure_default_model()
+    cfg = json.loads((path / "config.json").read_text())
+    return int(cfg.get("max_position_embeddings") or 1 << 30)
+
+
+def fit_context(target: int, new_tokens: int, k: int, block_size: int) -> int:
+    """The prompt length to build for a context of `target` tokens: prompt, output and the
+    proposal's lookahead must stay within the model's position limit (SmolLM2 is trained to
+    8192 positions and vLLM refuses more), so '8K' is 8192 less the output and lookahead."""
+    return min(target, model_max_len() - new_tokens - 2 * k - block_size)
+
+
 def build_cases(contexts, n, block_size, k, budget_ratio, batches, frontend, first: int = 0,
-                accept: str = "greedy"):
+                accept: str = "greedy", new_tokens: int = 0):
     """{context: [(ids, {batch: plan bytes}), ...n]} for HotpotQA dev questions
-    first..first+n-1."""
+    first..first+n-1; prompts are built to `fit_context` of each context."""
     from kapc.frontend.hybrid import hotpotqa_prior
     from kapc.lower.kapb import decode_plan
     from kapc.passes import CompileContext
@@ -64,7 +86,8 @@ def build_cases(contexts, n, block_size, k, budget_ratio, batches, frontend, fir
         rows = []
         for i in range(first, first + n):
             t0 = time.perf_counter()
-            prior = hotpotqa_prior(i, context_tokens=c, frontend=frontend)
+            prior = hotpotqa_prior(i, context_tokens=fit_context(c, new_tokens, k, block_size),
+                                   frontend=frontend)
             plans = {b: compile_prior(prior, block_size=block_size, budget_ratio=budget_ratio,
                                       k=k, batch=b, ctx=ctx, accept=accept) for b in batches}
             ids = [int(t) for t in decode_plan(plans[batches[0]]).prompt_token_ids]
@@ -80,15 +103,19 @@ def start_engine(method, cases, batches, args):
 
     t0 = time.perf_counter()
     eng = make_engine(block_size=args.block_size, k=args.k, method=method,
-                      max_model_len=max(cases) + args.max_tokens + 8 * args.k + 256,
+                      max_model_len=min(model_max_len(), max(cases) + args.max_tokens +
+                                        8 * args.k + 256),
                       max_num_seqs=max(batches), kv_cache_gib=args.kv_cache_gib,
-                      in_process=args.in_process, ngram_max=args.ngram_max,
+                      in_process=args.in_process, ngram_max=args.ngram_max, dtype=args.dtype,
                       ngram_min=args.ngram_min)
     _log(f"[{method}] engine up in {time.perf_counter() - t0:.1f}s")
     return eng
 
 
-def run_rows(eng, label, cases, batches, args, with_plans: bool):
+ENGINE_OF = {"full": "none", "kapc": "kapc", "kapc-top3": "kapc", "ngram": "ngram"}
+
+
+def run_rows(eng, label, cases, batches, args, with_plans: bool, accept: str | None = None):
     from kapc.lower.kapb import decode_plan
     from kapc.runtime.planning import predicted_speedup
     from kapc.runtime.vllm import generate
@@ -103,7 +130,7 @@ def run_rows(eng, label, cases, batches, args, with_plans: bool):
             generate(eng, ids, plans, max_tokens=2 * args.k, honor_predicted_loss=False)
             _log(f"[{label}] {c} x{b}: prefill {time.perf_counter() - t0:.1f}s")
             res = generate(eng, ids, plans, max_tokens=args.max_tokens, ignore_eos=True,
-                           honor_predicted_loss=False, min_acceptance=False)
+                           honor_predicted_loss=False, min_acceptance=False, accept=accept)
             wall = res[0]["batch_s"]
             ntok = sum(r["generated_tokens"] for r in res)
             row = {"context": c, "batch": b, "method": label,
@@ -119,6 +146,9 @@ def run_rows(eng, label, cases, batches, args, with_plans: bool):
                 gen = sum(r["generated_tokens"] - 1 for r in res)
                 cost = pl[0].header.cost
                 kv = sum(p.header.cost.kv_bytes for p in pl) / b
+                tm = res[0].get("timing", {})
+                row.update(propose_s=tm.get("propose_s"), draft_forwards=tm.get("draft_forwards"),
+                           verify_steps=max((r["cycles"] for r in res), default=0) + 1)
                 row.update(s=s, h=h, tokens_per_cycle=gen / cyc if cyc else None,
                            pred_plan_h=cost.speedup, plan_h=cost.h,
                            pred_measured_h=predicted_speedup(cost.weight_bytes, kv, b, s, h,
@@ -127,7 +157,9 @@ def run_rows(eng, label, cases, batches, args, with_plans: bool):
             rows.append(row)
             _log(f"[{label}] {c} x{b}: {ntok} tokens in {wall:.1f}s "
                  f"({row['out_tok_s']:.2f} tok/s)"
-                 + (f" s={row['s']:.3f} h={row['h']:.2f}" if with_plans else ""))
+                 + (f" s={row['s']:.3f} h={row['h']:.2f}; proposer {row['propose_s']:.1f}s in "
+                    f"{row['draft_forwards']} draft forwards, {row['verify_steps']} engine steps"
+                    if with_plans else ""))
     return rows
 
 
@@ -136,7 +168,8 @@ def main(argv=None):
     ap.add_argument("--contexts", default="4096,8192")
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--methods", default="full,kapc,ngram")
+    ap.add_argument("--methods", default="full,kapc,kapc-top3,ngram",
+                    help=f"comma list of {', '.join(ENGINE_OF)}")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--budget-ratio", type=float, default=0.1)
@@ -145,6 +178,9 @@ def main(argv=None):
     ap.add_argument("--baseline", choices=("plain", "shared"), default="plain")
     ap.add_argument("--in-process", action=argparse.BooleanOptionalAction, default=None,
                     help="engine core and worker in this process (default: vLLM's choice)")
+    ap.add_argument("--dtype", default=None,
+                    help="engine dtype for every method (default: float32 on CPU, auto on GPU); "
+                    "bfloat16 uses AMX on CPUs that have it")
     ap.add_argument("--ngram-max", type=int, default=4)
     ap.add_argument("--ngram-min", type=int, default=2)
     ap.add_argument("--quick", action="store_true",
@@ -167,34 +203,34 @@ def main(argv=None):
 
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
         cases = pool.submit(build_cases, contexts, max(batches), args.block_size, args.k,
-                            args.budget_ratio, batches, args.frontend).result()
+                            args.budget_ratio, batches, args.frontend,
+                            new_tokens=args.max_tokens).result()
     rows = []
-    if args.baseline == "shared":
-        eng = start_engine("kapc", cases, batches, args)
-        try:
-            if "kapc" in methods:
-                rows += run_rows(eng, "kapc", cases, batches, args, with_plans=True)
-            if "full" in methods:
-                rows += run_rows(eng, "full", cases, batches, args, with_plans=False)
-        finally:
-            eng.close()
-        methods = [m for m in methods if m == "ngram"]
+    # every method runs on one engine; methods sharing an engine share its start and prefills
+    engines: dict[str, list[str]] = {}
     for m in methods:
-        eng = start_engine("none" if m == "full" else m, cases, batches, args)
+        kind = ENGINE_OF[m]
+        if m == "full" and args.baseline == "shared":
+            kind = "kapc"
+        engines.setdefault(kind, []).append(m)
+    for kind, labels in engines.items():
+        eng = start_engine(kind, cases, batches, args)
         try:
-            rows += run_rows(eng, m, cases, batches, args, with_plans=m == "kapc")
+            for m in labels:
+                rows += run_rows(eng, m, cases, batches, args, with_plans=m.startswith("kapc"),
+                                 accept="top3" if m == "kapc-top3" else None)
         finally:
             eng.close()
     full = {(r["context"], r["batch"]): r for r in rows if r["method"] == "full"}
     print(f"\nvLLM {ver}, block size {args.block_size}, k={args.k}, {args.max_tokens} output "
           f"tokens, greedy, baseline {args.baseline}")
-    hdr = (f"{'ctx':>6} {'batch':>5} {'method':>6} {'prompt':>7} {'tok/s':>7} {'ratio':>6} "
+    hdr = (f"{'ctx':>6} {'batch':>5} {'method':>9} {'prompt':>7} {'tok/s':>7} {'ratio':>6} "
            f"{'s':>6} {'h':>5} {'tok/cyc':>7} {'same':>5} {'pred(h_plan)':>12} "
            f"{'pred(h_meas)':>12}")
     print(hdr)
     print("-" * len(hdr))
     for r in sorted(rows, key=lambda r: (r["context"], r["batch"],
-                                         ["full", "kapc", "ngram"].index(r["method"]))):
+                                         list(ENGINE_OF).index(r["method"]))):
         f = full.get((r["context"], r["batch"]))
         ratio = r["out_tok_s"] / f["out_tok_s"] if f else None
         same = (r["tokens"] == f["tokens"]) if f else None
@@ -203,7 +239,7 @@ def main(argv=None):
         def fmt(x, spec):
             return "-" if x is None else format(x, spec)
 
-        print(f"{r['context']:>6} {r['batch']:>5} {r['method']:>6} {r['prompt_tokens']:>7.0f} "
+        print(f"{r['context']:>6} {r['batch']:>5} {r['method']:>9} {r['prompt_tokens']:>7.0f} "
               f"{r['out_tok_s']:>7.2f} {fmt(ratio, '.2f'):>6} {fmt(r.get('s'), '.3f'):>6} "
               f"{fmt(r.get('h'), '.2f'):>5} {fmt(r.get('tokens_per_cycle'), '.2f'):>7} "
               f"{fmt(same, ''):>5} {fmt(r.get('pred_plan_h'), '.2f'):>12} "
