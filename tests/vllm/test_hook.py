@@ -146,8 +146,8 @@ def test_plan_as_base64_extra_arg(engine, cases, baseline):
 
 def test_top3_tolerant_acceptance(engine, cases, baseline):
     """A top3 row and a greedy row in one batch: the top3 row emits only tokens within the full
-    context's best three (checked with the model's own forward) and accepts at least as much as
-    greedy on the same prompt; the greedy row stays identical to plain vLLM."""
+    context's best three (checked with the model's own forward) and accepts more than greedy on
+    the same prompt; the greedy row stays identical to plain vLLM."""
     import msgspec
 
     from kapc.lower.kapb import Plan, decode_plan, encode_plan
@@ -168,7 +168,9 @@ def test_top3_tolerant_acceptance(engine, cases, baseline):
     assert greedy_b["tokens"] == baseline[2][:n] and greedy_a["tokens"] == baseline[1][:n]
     ranks = ranks_under_full_context(load_model().hf, a.ids, tol["tokens"])
     assert max(ranks) < 3, ranks
-    assert tol["acceptance_rate"] >= greedy_a["acceptance_rate"]
+    # strictly more: a top3 that silently verified greedily would accept exactly as much
+    assert tol["acceptance_rate"] > greedy_a["acceptance_rate"], (tol["acceptance_rate"],
+                                                                  greedy_a["acceptance_rate"])
     # the override through generate(accept=...) reaches the proposer too
     (over,) = generate(engine, [a.ids], [a.plan], max_tokens=8, honor_predicted_loss=False,
                        accept="top3")
