@@ -164,7 +164,7 @@ class KapProposer:
     def _raise_tolerated(self, runner, metadata, logits) -> None:
         req_ids = runner.input_batch.req_ids
         start = 0
-        rows, drafts_at = [], []
+        rows = []
         for row, n in enumerate(metadata.num_draft_tokens):
             st = self.states.get(req_ids[row]) if row < len(req_ids) else None
             if n and st is not None and st.topn > 1:
