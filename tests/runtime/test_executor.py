@@ -170,3 +170,18 @@ def test_no_kv_block_leak_across_100_requests(model, prompts):
         assert ex.cache.num_free_blocks == free0
     assert done == 100
     ex.cache.check_no_leak()
+
+
+def test_ignore_eos_decodes_exactly_max_tokens(executor, prompts):
+    """Benchmarks compare equal work: with ignore_eos a request runs past its end-of-sequence
+    token to max_tokens, and its first tokens are the ones that stopped at EOS."""
+    n = 40
+    stopped, _ = executor.generate([Request(p.token_ids, max_tokens=n) for p in prompts])
+    ended = [i for i, r in enumerate(stopped) if r.finish_reason == "eos"]
+    assert ended, "no prompt ends with EOS within the window: the test would prove nothing"
+    ps = [prompts[i] for i in ended]
+    past, _ = executor.generate([Request(p.token_ids, max_tokens=n, ignore_eos=True)
+                                 for p in ps])
+    for i, r in zip(ended, past):
+        assert r.finish_reason == "length" and len(r.tokens) == n
+        assert r.tokens[:len(stopped[i].tokens)] == stopped[i].tokens
