@@ -116,7 +116,7 @@ def main(argv=None) -> int:
 
 
 def _row(m, L, B, budget, args, cs, plans, full_res, fst, plan_res, pst) -> dict:
-    from kapc.runtime.planning import predicted_speedup
+    from kapc.policy import predicted_speedup
 
     k = args.k
     identical = all(a.tokens == b.tokens for a, b in zip(full_res, plan_res))

@@ -117,7 +117,7 @@ ENGINE_OF = {"full": "none", "kapc": "kapc", "kapc-top3": "kapc", "ngram": "ngra
 
 def run_rows(eng, label, cases, batches, args, with_plans: bool, accept: str | None = None):
     from kapc.lower.kapb import decode_plan
-    from kapc.runtime.planning import predicted_speedup
+    from kapc.policy import predicted_speedup
     from kapc.runtime.vllm import generate
 
     rows = []

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,19 +31,12 @@ import torch
 import torch.nn.functional as F
 
 from kapc.lower.kapb import Plan, PlanMismatch, check_plan_matches, prompt_hash
+from kapc.policy import (AcceptanceMonitor, accepted_prefix, admit, engine_blocks, parse_accept,
+                         visible_tokens)
 from kapc.runtime.model import RuntimeModel
 from kapc.runtime.paged_kv import NULL_BLOCK, PagedKVCache, Workspace
 
 __all__ = ["Executor", "Request", "RequestResult", "BatchStats", "parse_accept", "PlanMismatch"]
-
-
-def parse_accept(rule: str) -> int:
-    """'greedy' -> 1, 'top3' -> 3."""
-    if rule == "greedy":
-        return 1
-    if rule.startswith("top") and rule[3:].isdigit() and int(rule[3:]) >= 1:
-        return int(rule[3:])
-    raise ValueError(f"unknown acceptance rule {rule!r} (greedy or topN, e.g. top3)")
 
 
 @dataclass
@@ -123,6 +115,7 @@ class _Seq:
     topn: int
     k: int
     fallback_reason: str | None = None
+    visible_positions: torch.Tensor | None = None  # the plan's prompt positions on this cache
     visible_slots: torch.Tensor | None = None  # compact prompt slots (plan rows)
     visible_prompt_tokens: int = 0
     c: int = 0  # committed KV length
@@ -134,7 +127,7 @@ class _Seq:
     accepted: int = 0
     cycles: int = 0
     plan_cycles: int = 0
-    recent: deque | None = None
+    monitor: AcceptanceMonitor | None = None
     prefill_s: float = 0.0
     ran_plan: bool = False
 
@@ -212,31 +205,24 @@ class Executor:
         s.k = int(r.k if r.k is not None else h.k)
         try:
             check_plan_matches(plan, model_fingerprint=self.m.fingerprint,
-                               block_size=self.block_size, prompt_token_ids=ids.astype(np.int32))
+                               prompt_token_ids=ids.astype(np.int32))
         except PlanMismatch as exc:
             if self.on_mismatch == "raise":
                 raise
             s.fallback_reason = f"plan refused: {exc}"
             return s
-        pos = np.asarray(plan.positions, dtype=np.int64)
-        if pos.size == 0 or pos.min() < 0 or pos.max() >= P or np.unique(pos).size != pos.size:
-            raise PlanMismatch(f"plan {h.name!r}: visible positions are not distinct prompt "
-                               f"positions in [0, {P})")
-        s.visible_prompt_tokens = int(pos.size)
-        s._positions = torch.from_numpy(pos).to(self.m.device)
-        fb = h.fallback
-        if s.k < 1:
-            s.fallback_reason = f"proposal length k={s.k}"
-        elif h.retained_ratio > fb.max_retained:
-            s.fallback_reason = (f"retained ratio {h.retained_ratio:.3f} exceeds the plan's "
-                                 f"max_retained {fb.max_retained:.3f}")
-        elif (not h.cost.pays) and fb.on_predicted_loss and self.honor_predicted_loss:
-            s.fallback_reason = (f"the cost model predicts no gain (speedup "
-                                 f"{h.cost.speedup:.2f}x at s={h.cost.s:.3f}, h={h.cost.h:.2f}, "
-                                 f"batch {h.cost.batch})")
-        else:
+        # A plan compiled for another block size runs on this cache's blocks (kapc.policy).
+        blocks = engine_blocks(plan.positions, P, self.block_size)
+        pos = (blocks[:, None] * self.block_size + np.arange(self.block_size)).ravel()
+        pos = pos[pos < P]
+        s.visible_prompt_tokens = visible_tokens(blocks, P, self.block_size)
+        s.visible_positions = torch.from_numpy(pos).to(self.m.device)
+        verdict = admit(h, retained=s.visible_prompt_tokens / P, k=r.k, accept=r.accept,
+                        honor_predicted_loss=self.honor_predicted_loss)
+        s.k, s.fallback_reason = verdict.k, verdict.reason
+        if verdict.runs:
             s.mode = "plan"
-            s.recent = deque(maxlen=max(1, fb.acceptance_window))
+            s.monitor = AcceptanceMonitor(h.fallback.min_acceptance, h.fallback.acceptance_window)
         return s
 
     # ---- prefill ------------------------------------------------------------------------------
@@ -303,7 +289,7 @@ class Executor:
         s.carry = first
         s.out.append(first)
         if s.mode == "plan":
-            s.visible_slots = self.cache.slots(s.sid, s._positions)
+            s.visible_slots = self.cache.slots(s.sid, s.visible_positions)
             s.ran_plan = True
         self._check_stop(s)
         s.prefill_s = time.perf_counter() - t0
@@ -369,22 +355,18 @@ class Executor:
             for s, tt in zip(active, toks):
                 d = tt[1:]
                 q = len(tt)
-                a = 0
-                while a < len(d):
-                    if s.topn == 1:
-                        ok = d[a] == target[off + a]
-                    else:
-                        ok = d[a] in top[off + a, :s.topn].tolist()
-                    if not ok:
-                        break
-                    a += 1
+                cands = [[t] for t in target[off:off + len(d)]] if s.topn == 1 else \
+                    top[off:off + len(d)].tolist()
+                a = accepted_prefix(d, cands, s.topn)
                 emitted = d[:a] + [target[off + a]]
                 s.cycles += 1
                 if d:
                     s.plan_cycles += 1
                     s.proposed += len(d)
                     s.accepted += a
-                    s.recent.extend([1] * a + [0] * (len(d) - a))
+                    reason = s.monitor.record(len(d), a)
+                    if reason and s.mode == "plan":
+                        s.mode, s.fallback_reason = "full", reason
                 s.c += a + 1
                 n0 = len(s.out)
                 for t in emitted:
@@ -395,14 +377,6 @@ class Executor:
                 stats.decode_tokens += len(s.out) - n0
                 s.carry = s.out[-1]
                 off += q
-                if s.mode == "plan" and d and len(s.recent) == s.recent.maxlen:
-                    rate = sum(s.recent) / len(s.recent)
-                    mn = s.req.plan.header.fallback.min_acceptance
-                    if rate < mn:
-                        s.mode = "full"
-                        s.fallback_reason = (f"observed acceptance {rate:.2f} over the last "
-                                             f"{len(s.recent)} proposed tokens is below the "
-                                             f"plan's min_acceptance {mn:.2f}")
                 if s.finished:
                     self.cache.free(s.sid)
         stats.decode_s = time.perf_counter() - t_start

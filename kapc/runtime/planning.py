@@ -8,16 +8,7 @@ import numpy as np
 
 from kapc.lower.kapb import (CostPrediction, FallbackPolicy, Plan, PlanHeader, decode_plan,
                              encode_plan, prompt_hash)
-
-
-def predicted_speedup(weight_bytes: float, kv_bytes: float, batch: int, s: float, h: float,
-                      k: int) -> float:
-    """The memory-bound cost model with W shared by the batch:
-    base (1+kh)(W+B*KV) over plan k(W+s*B*KV)+(W+B*KV)."""
-    W, KV = float(weight_bytes), float(batch) * float(kv_bytes)
-    base = (1 + k * h) * (W + KV)
-    plan = k * (W + s * KV) + (W + KV)
-    return base / plan
+from kapc.policy import predicted_speedup
 
 
 def plan_from_blocks(model, prompt_ids, blocks, *, block_size: int, k: int = 6,

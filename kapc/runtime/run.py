@@ -40,7 +40,8 @@ def run_plan_file(path: str | Path, accept: str | None = None, k: int | None = N
 def run_plan(plan: Plan, accept: str | None = None, k: int | None = None, max_tokens: int = 128,
              compare_full: bool = False, model=None, device: str = "cpu", dtype=None,
              source: str = "<plan>", force: bool = False) -> dict:
-    from kapc.runtime.executor import Executor, Request, parse_accept
+    from kapc.policy import parse_accept
+    from kapc.runtime.executor import Executor, Request
 
     if accept is not None:
         parse_accept(accept)
@@ -72,6 +73,7 @@ def run_plan(plan: Plan, accept: str | None = None, k: int | None = None, max_to
         "finish_reason": res.finish_reason,
         "mode": res.mode,
         "fallback_reason": res.fallback_reason,
+        "note": None,  # the executor's cache takes the plan's block size: nothing is adapted
         "accept": res.accept,
         "k": res.k,
         "block_size": h.block_size,
@@ -120,6 +122,8 @@ def format_report(result: dict):
     mode = r["mode"] + (f"  [yellow]fallback: {r['fallback_reason']}[/]"
                         if r.get("fallback_reason") else "")
     t.add_row("mode", mode)
+    if r.get("note"):
+        t.add_row("note", r["note"])
     t.add_row("prompt", f"{r['prompt_tokens']} tokens, block size {r['block_size']}")
     t.add_row("retained s", f"{_fmt(r['retained_ratio'])} executed "
                             f"(plan {_fmt(r['plan_retained_ratio'])}, "

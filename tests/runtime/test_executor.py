@@ -101,14 +101,30 @@ def test_mismatched_plans_are_refused(model, executor, prompts):
     plan = gold_plan(model, prompts[0])
     with pytest.raises(PlanMismatch, match="another prompt"):
         executor.generate([Request(prompts[1].token_ids, plan=plan, max_tokens=4)])
-    other_block = plan_from_blocks(model, prompts[0].token_ids, [0], block_size=2 * BLOCK)
-    with pytest.raises(PlanMismatch, match="block size"):
-        executor.generate([Request(prompts[0].token_ids, plan=other_block, max_tokens=4)])
     wrong_model = _with_header(plan, model_fingerprint="sha256:" + "0" * 64)
     with pytest.raises(PlanMismatch, match="another model"):
         executor.generate([Request(prompts[0].token_ids, plan=wrong_model, max_tokens=4)])
     # nothing leaked by the refusals
     assert set(executor.cache.tables) == {sid for sid, _ in executor._prefixes.values()}
+
+
+@pytest.mark.parametrize("plan_block", [BLOCK // 2, 2 * BLOCK, 3 * BLOCK // 2])
+def test_plans_of_another_block_size_run_on_the_cache_blocks(model, executor, prompts,
+                                                             full_outputs, plan_block):
+    """A plan compiled for another block size runs: every cache block holding a token the plan
+    shows is visible (a superset of the plan's tokens), and greedy output stays identical."""
+    p = prompts[0]
+    blocks = [b * BLOCK // plan_block for b in p.gold_blocks(BLOCK)]
+    plan = plan_from_blocks(model, p.token_ids, blocks, block_size=plan_block, k=4, pays=True,
+                            fallback=FallbackPolicy(min_acceptance=0.0))
+    (r,), _ = executor.generate([Request(p.token_ids, plan=plan, max_tokens=NEW_TOKENS)])
+    assert r.mode == "plan" and r.proposed > 0 and r.fallback_reason is None
+    assert r.tokens == full_outputs[0]
+    shown = set(plan.positions.tolist())
+    cache_blocks = {t // BLOCK for t in shown}
+    assert r.visible_prompt_tokens == sum(min(len(p.token_ids), (b + 1) * BLOCK) - b * BLOCK
+                                          for b in cache_blocks | {(len(p.token_ids) - 1) // BLOCK})
+    assert r.visible_prompt_tokens >= len(shown)
 
 
 def _with_header(plan, **changes):

@@ -42,10 +42,11 @@ def cases(ctx):
 
 
 @pytest.fixture(scope="session")
-def plan_bs64(ctx):
-    """The first prompt's plan compiled for block size 64 (the engine runs 32)."""
+def other_block_plans(ctx):
+    """The second prompt's plan compiled for block sizes 16 and 64 (the engine runs 32)."""
     from kapc.lower.kapb import decode_plan
-    return decode_plan(compile_prior(PRIORS[0], block_size=64, k=K, ctx=ctx))
+    return {bs: decode_plan(compile_prior(PRIORS[1], block_size=bs, k=K, ctx=ctx))
+            for bs in (16, 64)}
 
 
 def _engine(hook: bool):

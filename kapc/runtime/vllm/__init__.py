@@ -27,7 +27,7 @@ from kapc.errors import KapcError
 __all__ = [
     "SUPPORTED_VLLM", "TESTED_VLLM", "VLLMUnsupported", "KapEngine", "check_vllm_version",
     "check_model_supported", "make_engine", "generate", "sampling_params", "run_plan_file_vllm",
-    "run_plan_vllm", "PROPOSER_CLASS", "SCHEDULER_CLASS", "WORKER_EXTENSION_CLASS",
+    "run_plan_vllm", "engine_block_size", "PROPOSER_CLASS", "SCHEDULER_CLASS", "WORKER_EXTENSION_CLASS",
 ]
 
 SUPPORTED_VLLM = ("0.22", "0.34")  # [lowest, first unsupported)
@@ -221,12 +221,9 @@ def sampling_params(max_tokens: int, plan=None, tag: str | None = None,
 
 
 def _checked_accept(rule: str) -> str:
-    from kapc.runtime.executor import parse_accept
+    from kapc.policy import parse_accept
 
-    try:
-        parse_accept(rule)
-    except ValueError as exc:
-        raise VLLMUnsupported(str(exc)) from None
+    parse_accept(rule)
     return rule
 
 
@@ -268,6 +265,7 @@ def generate(engine: KapEngine, prompts_token_ids, plans=None, max_tokens: int =
             "status": st.get("status", "none" if plans[i] is None else "off"),
             "reason": st.get("reason") if engine.hook or plans[i] is None else
             "engine started without kapc's hook",
+            "note": st.get("note"),
             "plan": st.get("plan"), "k": st.get("k", 0), "accept": st.get("accept"),
             "proposed": st.get("proposed", 0), "accepted": st.get("accepted", 0),
             "acceptance_rate": st.get("acceptance_rate"),
@@ -319,13 +317,14 @@ def run_plan_vllm(plan, accept: str | None = None, k: int | None = None, max_tok
         model_dir = None if model in (None, "", DEFAULT_MODEL) else model
         if model_dir is None and h.model not in ("", DEFAULT_MODEL) and Path(h.model).is_dir():
             model_dir = h.model
-        key = (str(model_dir), h.block_size, kk)
+        bs = engine_block_size(h.block_size)
+        key = (str(model_dir), bs, kk)
         engine = _ENGINES.get(key)
         if engine is None:
-            max_len = max(2048, h.prompt_tokens + max_tokens + 4 * kk + 2 * h.block_size)
+            max_len = max(2048, h.prompt_tokens + max_tokens + 4 * kk + 2 * bs)
             engine_kwargs.setdefault("max_model_len", max_len)
             engine_kwargs.setdefault("in_process", True)  # starts in ~30 s instead of ~2 min
-            engine = make_engine(model_dir, block_size=h.block_size, k=kk, **engine_kwargs)
+            engine = make_engine(model_dir, block_size=bs, k=kk, **engine_kwargs)
             _ENGINES[key] = engine
     ids = [int(t) for t in plan.prompt_token_ids]
     full = None
@@ -349,7 +348,8 @@ def run_plan_vllm(plan, accept: str | None = None, k: int | None = None, max_tok
         "prompt_tokens": len(ids), "text": res["text"], "tokens": res["tokens"],
         "generated_tokens": res["generated_tokens"],
         "finish_reason": "eos" if res["finish_reason"] == "stop" else res["finish_reason"],
-        "mode": mode, "fallback_reason": res["reason"], "accept": res["accept"] or accept or h.accept,
+        "mode": mode, "fallback_reason": res["reason"], "note": res["note"],
+        "accept": res["accept"] or accept or h.accept,
         "k": res["k"],
         "block_size": engine.block_size, "retained_ratio": res["retained_ratio"],
         "plan_retained_ratio": h.retained_ratio,
@@ -374,6 +374,19 @@ def run_plan_vllm(plan, accept: str | None = None, k: int | None = None, max_tok
         fp, pp = out["full_timing"]["decode_tok_per_s"], timing["decode_tok_per_s"]
         out["speedup_measured"] = pp / fp if fp and pp else None
     return out
+
+
+def engine_block_size(plan_block_size: int, on_cpu: bool | None = None) -> int:
+    """The block size to start an engine with for a plan of `plan_block_size`: the plan's own
+    where the backend supports it, else (on CPU) the next multiple of 32. The hook runs a plan of
+    any block size (kapc.policy.engine_blocks); matching sizes only keep s as compiled."""
+    if on_cpu is None:
+        on_cpu = _on_cpu()
+    from kapc.policy import CPU_BLOCK_MULTIPLE
+
+    if not on_cpu:
+        return plan_block_size
+    return -(-plan_block_size // CPU_BLOCK_MULTIPLE) * CPU_BLOCK_MULTIPLE
 
 
 def _on_cpu() -> bool:

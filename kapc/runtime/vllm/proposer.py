@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,6 +73,7 @@ class _ReqState:
     tag: str
     status: str  # "plan", "refused", "fallback", "none"
     reason: str | None = None
+    note: str | None = None  # what the hook adapted (another block size), not a fallback
     plan_name: str | None = None
     prompt_tokens: int = 0
     selected: np.ndarray | None = None  # selected full prompt blocks (tail excluded)
@@ -90,8 +90,7 @@ class _ReqState:
     cycles: int = 0  # draft cycles run
     steps: int = 0  # engine steps that sampled tokens for this request (prefill included)
     last_drafted: int = 0
-    min_acceptance: float = 0.0
-    recent: deque | None = None
+    monitor: object = None  # kapc.policy.AcceptanceMonitor
     per_pos: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -99,7 +98,7 @@ class _ReqState:
         # finished at that step): they count neither as proposed nor as accepted
         proposed = self.proposed - self.last_drafted
         return {
-            "tag": self.tag, "status": self.status, "reason": self.reason,
+            "tag": self.tag, "status": self.status, "reason": self.reason, "note": self.note,
             "plan": self.plan_name, "prompt_tokens": self.prompt_tokens,
             "visible_prompt_tokens": self.visible_prompt_tokens,
             "retained_ratio": self.retained_ratio, "plan_retained_ratio": self.plan_retained_ratio,
@@ -125,7 +124,8 @@ class KapProposer:
         self._runner = None
         self._layer_names: list[str] | None = None
         self._attn_group = None
-        self._fingerprint: str | None | bool = False  # False: not computed yet
+        self._fingerprint: str | None | bool = False  # False: not computed yet; None: failed
+        self._fingerprint_error = ""
         self.states: dict[str, _ReqState] = {}  # by vLLM request id
         self.finished: dict[str, dict] = {}  # by tag, for requests no longer in the batch
         self.timing = {"propose_s": 0.0, "draft_forwards": 0, "draft_rows": 0, "calls": 0}
@@ -217,14 +217,23 @@ class KapProposer:
         if bs != self.block_size:
             self.block_size = bs
 
-    def _model_fingerprint(self):
+    def _model_fingerprint(self) -> str:
+        """The engine model's fingerprint, as the compiler computes it. Raises `PlanMismatch` with
+        the reason when it cannot be computed: a plan is refused, never admitted unchecked."""
+        from kapc.lower.kapb import PlanMismatch
+
         if self._fingerprint is False:
             try:
                 from kapc.models import load_assets
 
                 self._fingerprint = load_assets(str(self.vllm_config.model_config.model)).fingerprint
-            except Exception:
+            except Exception as exc:  # noqa: BLE001 - any failure means: cannot check the model
                 self._fingerprint = None
+                self._fingerprint_error = f"{type(exc).__name__}: {exc}"
+        if self._fingerprint is None:
+            raise PlanMismatch(f"cannot fingerprint the engine's model "
+                               f"{self.vllm_config.model_config.model} to check the plan against "
+                               f"it ({self._fingerprint_error})")
         return self._fingerprint
 
     # ---- per-request plan state -------------------------------------------------------------
@@ -250,62 +259,43 @@ class KapProposer:
         return st
 
     def _admit(self, st: _ReqState, req, data: bytes, opts: dict) -> None:
-        from kapc.lower.kapb import KapbError, check_plan_matches, decode_plan
+        from kapc.errors import KapcError
+        from kapc.lower.kapb import check_plan_matches, decode_plan
+        from kapc.policy import AcceptanceMonitor, admit, engine_blocks, visible_tokens
 
+        P, bs = len(req.prompt_token_ids), self.block_size
         try:
             plan = decode_plan(data, "<request plan>")
             check_plan_matches(plan, model_fingerprint=self._model_fingerprint(),
-                               block_size=self.block_size,
                                prompt_token_ids=np.asarray(req.prompt_token_ids, dtype=np.int32))
-        except KapbError as exc:
+            h = plan.header
+            st.plan_name = h.name
+            st.plan_retained_ratio = float(h.retained_ratio)
+            st.speedup_predicted = float(h.cost.speedup)
+            # A plan compiled for another block size runs on the engine's blocks (kapc.policy).
+            blocks = engine_blocks(plan.positions, P, bs)
+            st.selected, st.tail_block = blocks[:-1], int(blocks[-1])
+            st.visible_prompt_tokens = visible_tokens(blocks, P, bs)
+            st.retained_ratio = st.visible_prompt_tokens / P
+            verdict = admit(h, retained=st.retained_ratio, k=int(opts.get("k") or h.k),
+                            engine_k=self.k, accept=opts.get("accept"),
+                            honor_predicted_loss=opts.get("honor_predicted_loss", True),
+                            random_sampling=sampling_is_random(req.sampling_params))
+        except KapcError as exc:
             st.status, st.reason = "refused", f"plan refused: {exc}"
             return
-        h = plan.header
-        st.plan_name = h.name
-        st.plan_retained_ratio = float(h.retained_ratio)
-        from kapc.runtime.executor import parse_accept
-
-        st.accept = str(opts.get("accept") or h.accept)
-        try:
-            st.topn = parse_accept(st.accept)
-        except ValueError as exc:
-            st.status, st.reason = "refused", f"plan refused: {exc}"
-            return
-        st.speedup_predicted = float(h.cost.speedup)
-        P, bs = len(req.prompt_token_ids), self.block_size
-        blocks = np.asarray(plan.selected_blocks, dtype=np.int64)
-        tail = (P - 1) // bs
-        if blocks.size == 0 or blocks[-1] != tail or np.any(np.diff(blocks) <= 0) \
-                or blocks[0] < 0:
-            st.status, st.reason = "refused", (
-                f"plan refused: plan {h.name!r}: selected blocks must ascend and end with the "
-                f"tail block {tail}")
-            return
-        st.selected = blocks[:-1]
-        st.tail_block = tail
-        st.visible_prompt_tokens = int(st.selected.size * bs + (P - tail * bs))
-        st.retained_ratio = st.visible_prompt_tokens / P
-        want_k = int(opts.get("k") or h.k)
-        st.k = max(0, min(want_k, self.k))
+        st.accept, st.topn, st.k = verdict.accept, verdict.topn, verdict.k
+        if h.block_size != bs:
+            st.note = (f"plan compiled for block size {h.block_size}, run on the engine's "
+                         f"{bs} (s {h.retained_ratio:.3f} -> {st.retained_ratio:.3f})")
         fb = h.fallback
-        st.min_acceptance = float(fb.min_acceptance) if opts.get("min_acceptance", True) else 0.0
-        st.recent = deque(maxlen=max(1, int(fb.acceptance_window)))
-        if sampling_is_random(req.sampling_params):
-            st.status, st.reason = "fallback", (
-                "sampling with temperature > 0: the hook proposes for greedy requests only")
-        elif st.k < 1:
-            st.status, st.reason = "fallback", f"proposal length k={st.k}"
-        elif h.retained_ratio > fb.max_retained:
-            st.status, st.reason = "fallback", (
-                f"retained ratio {h.retained_ratio:.3f} exceeds the plan's max_retained "
-                f"{fb.max_retained:.3f}")
-        elif (not h.cost.pays) and fb.on_predicted_loss and opts.get("honor_predicted_loss", True):
-            st.status, st.reason = "fallback", (
-                f"the cost model predicts no gain (speedup {h.cost.speedup:.2f}x at "
-                f"s={h.cost.s:.3f}, h={h.cost.h:.2f}, batch {h.cost.batch})")
-        else:
+        st.monitor = AcceptanceMonitor(fb.min_acceptance if opts.get("min_acceptance", True)
+                                       else 0.0, fb.acceptance_window)
+        if verdict.runs:
             st.status = "plan"
             st.per_pos = [0] * st.k
+        else:
+            st.status, st.reason = "fallback", verdict.reason
 
     def _record_accepted(self, st: _ReqState, n_sampled: int) -> None:
         d = st.last_drafted
@@ -316,14 +306,9 @@ class KapProposer:
         st.accepted += a
         for j in range(a):
             st.per_pos[j] += 1
-        st.recent.extend([1] * a + [0] * (d - a))
-        if st.min_acceptance and len(st.recent) == st.recent.maxlen:
-            rate = sum(st.recent) / len(st.recent)
-            if rate < st.min_acceptance:
-                st.status = "fallback"
-                st.reason = (f"observed acceptance {rate:.2f} over the last {len(st.recent)} "
-                             f"proposed tokens is below the plan's min_acceptance "
-                             f"{st.min_acceptance:.2f}")
+        reason = st.monitor.record(d, a)
+        if reason and st.status == "plan":
+            st.status, st.reason = "fallback", reason
 
     def _prune(self, runner) -> None:
         for rid in [r for r in self.states if r not in runner.requests]:

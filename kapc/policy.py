@@ -1,0 +1,166 @@
+"""The rules a plan runs under, in one place: the compiler, the reference executor and the vLLM
+hook all call these, so that "when does a plan run", "what counts as accepted" and "what does the
+cost model predict" have one answer.
+
+- acceptance rules: `parse_accept` (greedy, or top-N tolerant) and `accepted_prefix`;
+- the cost model: `predicted_speedup` (the paper's memory-bound model);
+- admission: `admit` decides, before decoding, whether a request runs its plan or decodes with
+  the full context, and says why;
+- monitoring: `AcceptanceMonitor` falls back when observed acceptance stays low;
+- block sizes: `engine_blocks` maps a plan's pages onto an engine with another block size.
+
+Pure Python and numpy: no torch, no vLLM.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from kapc.errors import KapcError, excerpt
+
+MAX_TOPN = 9  # `top2` .. `top9`: wider tolerance accepts nearly anything and says little
+
+
+class PolicyError(KapcError):
+    """An acceptance rule, proposal length or policy value outside its domain."""
+
+
+# ---- acceptance rules -----------------------------------------------------------------------
+
+def parse_accept(rule: str) -> int:
+    """'greedy' -> 1 (lossless), 'topN' -> N (a draft within the target's top N is accepted)."""
+    if rule == "greedy":
+        return 1
+    if isinstance(rule, str) and rule.startswith("top") and rule[3:].isdigit() \
+            and 2 <= int(rule[3:]) <= MAX_TOPN and str(int(rule[3:])) == rule[3:]:
+        return int(rule[3:])
+    raise PolicyError(f"unknown acceptance rule {excerpt(rule)} (greedy, or top2 .. top{MAX_TOPN})")
+
+
+def accepted_prefix(drafts: Sequence[int], candidates: Sequence[Sequence[int]], topn: int) -> int:
+    """How many drafts are accepted: the longest prefix whose i-th draft is among the first `topn`
+    of `candidates[i]` (the target's tokens at that position, best first). With topn=1 this is
+    greedy verification: exactly the drafts the full context would have produced."""
+    a = 0
+    for d, cand in zip(drafts, candidates):
+        if d not in list(cand[:topn]):
+            break
+        a += 1
+    return a
+
+
+# ---- the cost model -------------------------------------------------------------------------
+
+def predicted_speedup(weight_bytes: float, kv_bytes: float, batch: int, s: float, h: float,
+                      k: int) -> float:
+    """The paper's memory-bound cost model for one request's KV (`kv_bytes`) in a batch of
+    `batch` requests sharing the weights: base (1+kh)(W/B + KV) over plan k(W/B + sKV) + (W/B + KV).
+    A decode step is priced as the bytes it reads; measured step times disagree on CPU
+    (DESIGN.md), which is why this is a prediction, not a promise."""
+    w = float(weight_bytes) / max(1, int(batch))
+    kv = float(kv_bytes)
+    base = (1 + k * h) * (w + kv)
+    plan = k * (w + s * kv) + (w + kv)
+    return base / plan
+
+
+# ---- admission ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Admission:
+    """What a runtime does with one request's plan: run it with proposal length `k`, or decode
+    with the full context because of `reason`."""
+
+    k: int
+    topn: int
+    accept: str
+    reason: str | None = None
+
+    @property
+    def runs(self) -> bool:
+        return self.reason is None
+
+
+def admit(header, *, retained: float, k: int | None = None, engine_k: int | None = None,
+          accept: str | None = None, honor_predicted_loss: bool = True,
+          random_sampling: bool = False) -> Admission:
+    """Decide whether a (matching) plan runs. `header` is the plan's `PlanHeader`; `retained` is
+    the ratio the engine will actually read (it differs from the plan's when the engine's block
+    size differs); `k`/`accept` override the plan's; `engine_k` caps k (vLLM fixes it at start).
+    Raises PolicyError for an unknown acceptance rule."""
+    rule = accept or header.accept
+    topn = parse_accept(rule)
+    kk = int(k if k is not None else header.k)
+    if engine_k is not None:
+        kk = min(kk, int(engine_k))
+    fb, cost = header.fallback, header.cost
+
+    def fallback(reason: str) -> Admission:
+        return Admission(k=kk, topn=topn, accept=rule, reason=reason)
+
+    if random_sampling:
+        return fallback("sampling with temperature > 0: plans propose for greedy requests only")
+    if kk < 1:
+        return fallback(f"proposal length k={kk}")
+    if retained > fb.max_retained:
+        return fallback(f"retained ratio {retained:.3f} exceeds the plan's max_retained "
+                        f"{fb.max_retained:.3f}")
+    if not cost.pays and fb.on_predicted_loss and honor_predicted_loss:
+        return fallback(f"the cost model predicts no gain (speedup {cost.speedup:.2f}x at "
+                        f"s={cost.s:.3f}, h={cost.h:.2f}, batch {cost.batch})")
+    return Admission(k=kk, topn=topn, accept=rule)
+
+
+# ---- monitoring -----------------------------------------------------------------------------
+
+class AcceptanceMonitor:
+    """Observed acceptance over the last `window` proposed tokens; once the window is full and the
+    rate is below `min_acceptance`, `record` returns the reason to fall back."""
+
+    def __init__(self, min_acceptance: float, window: int):
+        self.min_acceptance = float(min_acceptance)
+        self.recent: deque[int] = deque(maxlen=max(1, int(window)))
+
+    def record(self, proposed: int, accepted: int) -> str | None:
+        self.recent.extend([1] * accepted + [0] * (proposed - accepted))
+        if self.min_acceptance <= 0 or len(self.recent) < self.recent.maxlen:
+            return None
+        rate = sum(self.recent) / len(self.recent)
+        if rate < self.min_acceptance:
+            return (f"observed acceptance {rate:.2f} over the last {len(self.recent)} proposed "
+                    f"tokens is below the plan's min_acceptance {self.min_acceptance:.2f}")
+        return None
+
+
+# ---- block sizes ----------------------------------------------------------------------------
+
+# The block size to compile for when the target engine is named (`kapc compile --engine`): the
+# reference executor's default, vLLM's CPU attention kernel (block sizes must be multiples of
+# 32), vLLM's GPU default.
+CPU_BLOCK_MULTIPLE = 32
+ENGINE_BLOCK_SIZE = {"reference": 16, "vllm-cpu": CPU_BLOCK_MULTIPLE, "vllm-gpu": 16}
+
+
+def engine_blocks(positions: np.ndarray, prompt_tokens: int, block_size: int) -> np.ndarray:
+    """The engine's prompt blocks (of `block_size`) that hold any of the plan's visible prompt
+    positions, ascending; the block holding the last prompt token (the tail) is always among them.
+    An engine block is visible when any token the plan shows lies in it, so with a coarser engine
+    block the proposal sees a superset of the plan's tokens and greedy output is unchanged;
+    with a finer one it sees the same tokens."""
+    if block_size < 1:
+        raise PolicyError(f"block size must be positive, not {block_size}")
+    tail = (prompt_tokens - 1) // block_size
+    blocks = np.unique(np.asarray(positions, dtype=np.int64) // block_size)
+    # never past the prompt: a position there would name KV that is not the plan's to show
+    blocks = blocks[(blocks >= 0) & (blocks < tail)]
+    return np.append(blocks, tail)
+
+
+def visible_tokens(blocks: np.ndarray, prompt_tokens: int, block_size: int) -> int:
+    """Prompt tokens held by `blocks` (every block is full but the tail)."""
+    tail = (prompt_tokens - 1) // block_size
+    return int((blocks.size - 1) * block_size + (prompt_tokens - tail * block_size))
