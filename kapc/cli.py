@@ -32,6 +32,11 @@ PassesOpt = Annotated[Optional[str], typer.Option(
     "resolve-pages,compact' (default: the default pipeline, less what an input .kap already ran).")]
 ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", help="Local Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct).")]
+BlockSizeOpt = Annotated[Optional[int], typer.Option(
+    "--block-size", help="The target engine's KV block size (sets resolve-pages' block-size).")]
+EngineOpt = Annotated[Optional[str], typer.Option(
+    "--engine", help="Compile for this engine's block size: reference (16), vllm-cpu (32) or "
+    "vllm-gpu (16); --block-size wins.")]
 
 
 def _err(message: str) -> None:
@@ -51,19 +56,28 @@ def compile_cmd(
     model: ModelOpt = None,
     emit_kap: Annotated[Optional[Path], typer.Option(help="Also write the final IR as .kap text.")] = None,
     check_roundtrip: Annotated[bool, typer.Option(help="Print and re-parse the IR after every pass.")] = False,
+    block_size: BlockSizeOpt = None,
+    engine: EngineOpt = None,
 ) -> None:
     """Compile a prior (or a .kap) into a .kapb plan."""
-    from kapc.compiler import compile_module
+    from kapc.compiler import block_size_for, compile_module
+    from kapc.files import check_output, write_output
     from kapc.lower.kapb import write_plan
     from kapc.lower.lower import lower_module
     from kapc.parse import print_module
     from kapc.passes import CompileContext
 
-    ctx = CompileContext(model)
-    out = compile_module(input, passes, ctx, roundtrip=check_roundtrip or None).module
+    # Every output is checked before the work: a typo in -o should not cost a compile.
+    check_output(output, "-o")
     if emit_kap:
-        emit_kap.write_text(print_module(out))
-    write_plan(output, lower_module(out, ctx))
+        check_output(emit_kap, "--emit-kap")
+    ctx = CompileContext(model)
+    out = compile_module(input, passes, ctx, block_size_for(engine, block_size),
+                         roundtrip=check_roundtrip or None).module
+    data = lower_module(out, ctx)
+    if emit_kap:
+        write_output(emit_kap, print_module(out), "--emit-kap")
+    write_plan(output, data)
     p, c = out.pages, out.cost
     width = sum(len(r) for r in p.selected)
     verdict = "pays off" if c.pays else "predicted loss: the runtime will fall back to full context"
@@ -81,21 +95,27 @@ def explain(
         "--print-after", help="Print the IR only after these passes (repeatable).")] = None,
     full_text: Annotated[bool, typer.Option(
         help="Print strings whole (each section then parses as .kap); default elides long text.")] = False,
+    block_size: BlockSizeOpt = None,
+    engine: EngineOpt = None,
 ) -> None:
     """Show the IR after every pass, with a view of which parts of the prompt each pass keeps."""
-    from kapc.compiler import as_module, compile_module
+    from kapc.compiler import as_module, block_size_for, build_pipeline, compile_module
+    from kapc.errors import excerpt
     from kapc.explain import section
     from kapc.passes import CompileContext, PASSES
     from kapc.pipeline import PipelineError
 
-    module = as_module(input)
     wanted = set(print_after or [])
     unknown = wanted - set(PASSES)
     if unknown:
-        raise PipelineError(f"--print-after: unknown pass {sorted(unknown)[0]!r} (passes: {', '.join(PASSES)})")
+        raise PipelineError(f"--print-after: unknown pass {excerpt(sorted(unknown)[0])} "
+                            f"(passes: {', '.join(PASSES)})")
+    bs = block_size_for(engine, block_size)
+    build_pipeline(passes, bs)  # option errors before the input is read
+    module = as_module(input)
     if not wanted:
         typer.echo(section("input", module, full_text))
-    compile_module(module, passes, CompileContext(model), after_pass=lambda rec: (
+    compile_module(module, passes, CompileContext(model), bs, after_pass=lambda rec: (
         typer.echo(section(rec.name, rec.module, full_text))
         if not wanted or rec.name in wanted else None))
 
@@ -157,22 +177,25 @@ def fmt(
 ) -> None:
     """Rewrite .kap files in canonical form (checking that they parse and are valid IR)."""
     from kapc.checker import check_module
-    from kapc.parse import parse_file, print_module
+    from kapc.files import write_output
+    from kapc.parse import parse_located, print_module
+    from kapc.parse.parser import read_kap_text
 
     files = [f for p in paths for f in (sorted(p.rglob("*.kap")) if p.is_dir() else [p])]
     if not files:
         raise KapcError(f"no .kap files in {', '.join(map(str, paths))}")
     bad = 0
     for f in files:
-        module = parse_file(f)
-        check_module(module, where=str(f))
+        source = read_kap_text(f)
+        module, where = parse_located(source, str(f))
+        check_module(module, source=where)
         text = print_module(module)
-        if f.read_text(encoding="utf-8") != text:
+        if source != text:
             if check:
                 typer.echo(f"would reformat {f}", err=True)
                 bad += 1
             else:
-                f.write_text(text, encoding="utf-8")
+                write_output(f, text, "fmt")
                 typer.echo(f"reformatted {f}", err=True)
     if check and bad:
         raise typer.Exit(1)

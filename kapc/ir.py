@@ -61,8 +61,11 @@ UnitKind = Literal["passage", "node", "triple", "proposition"]
 KeepReason = Literal["sink", "instruction", "question", "template", "text", "evidence", "window"]
 
 
+KAP_VERSION = 1  # the .kap text format's version; a reader refuses any other
+
+
 class Header(Node, kw_only=True):
-    version: int = 1
+    version: int = KAP_VERSION
     name: str
     request: Literal["chat", "raw"]
     passes: tuple[Word, ...] = ()

@@ -19,7 +19,7 @@ from kapc.checker import check_module
 from kapc.ir import Module
 from kapc.parse import parse_module, print_module
 from kapc.passes import DEFAULT_PIPELINE, PASSES, CompileContext, Pass
-from kapc.errors import KapcError
+from kapc.errors import KapcError, excerpt
 
 
 class PipelineError(KapcError):
@@ -35,11 +35,12 @@ def parse_pipeline(text: str) -> list[Pass]:
     while pos < len(text):
         m = _ITEM.match(text, pos)
         if not m or m.end() == pos:
-            raise PipelineError(f"pipeline {text!r}: cannot read from column {pos + 1}: {text[pos:]!r}")
+            raise PipelineError(f"pipeline {excerpt(text)}: cannot read from column {pos + 1}: "
+                                f"{excerpt(text[pos:])}")
         name, opts = m.group(1), m.group(2)
         if name not in PASSES:
             hint = difflib.get_close_matches(name, PASSES, n=1)
-            raise PipelineError(f"unknown pass {name!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
+            raise PipelineError(f"unknown pass {excerpt(name)}" + (f"; did you mean {hint[0]!r}?" if hint else "")
                                 + f" (passes: {', '.join(PASSES)})")
         passes.append(_build_pass(PASSES[name], opts or ""))
         pos = m.end()
@@ -57,7 +58,7 @@ def _build_pass(cls: type[Pass], opts: str) -> Pass:
         key = key.strip()
         if not eq or key not in names:
             known = ", ".join(names) or "none"
-            raise PipelineError(f"{cls.name}: unknown option {item!r} (options: {known})")
+            raise PipelineError(f"{cls.name}: unknown option {excerpt(item)} (options: {known})")
         typ = hints[names[key]]
         raw = raw.strip()
         try:
@@ -68,7 +69,7 @@ def _build_pass(cls: type[Pass], opts: str) -> Pass:
             else:
                 value = typ(raw)
         except ValueError:
-            raise PipelineError(f"{cls.name}: option {key}={raw!r} is not a valid "
+            raise PipelineError(f"{cls.name}: option {key}={excerpt(raw)} is not a valid "
                                 f"{typ.__name__}") from None
         values[names[key]] = value
     return cls(**values)

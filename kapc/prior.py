@@ -14,6 +14,8 @@ Unknown fields are refused so that a typo never silently drops information.
 
 from __future__ import annotations
 
+import json
+import math
 import re
 
 from pathlib import Path
@@ -21,6 +23,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from kapc.errors import KapcError
+from kapc.files import FileError, read_input, without_bom
 
 PRIOR_FORMAT = "kapc.prior"
 PRIOR_VERSION = 1
@@ -29,7 +32,9 @@ SegmentKind = Literal["instruction", "question", "passage", "text"]
 Role = Literal["system", "user", "assistant"]
 UnitKind = Literal["passage", "node", "triple", "proposition"]
 
-Id = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_.:-]*$", max_length=200)]
+# `(?!\n)`: Python's `$` also matches before a final newline, and an id "p1\n" would not read
+# back from .kap; the pattern stays valid JSON Schema (ECMA) syntax.
+Id = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_.:-]*$(?!\n)", max_length=200)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 
 
@@ -108,17 +113,27 @@ _encoder = msgspec.json.Encoder()
 
 
 def decode_prior(data: bytes | str, source: str = "<prior>") -> Prior:
+    if not isinstance(data, str):
+        try:
+            data = without_bom(bytes(data))
+        except FileError as exc:
+            raise PriorError(f"{source}: $: {exc}") from None
     try:
         prior = _decoder.decode(data)
+    except RecursionError:
+        raise PriorError(f"{source}: {_deepest(data)}: JSON nested deeper than this reader "
+                         f"follows (docs/limits.md)") from None
     except msgspec.ValidationError as exc:
-        # msgspec writes the path as `$.units[3].kind`, but a dict value only as `scores[...]`
-        raise PriorError(f"{source}: invalid prior: {_name_dict_keys(data, str(exc))}") from None
+        # msgspec writes the path as `$.units[3].kind`, but a dict value only as `scores[...]`,
+        # and the document itself with no path at all
+        message = str(exc) if " - at `$" in str(exc) else f"{exc} - at `$`"
+        raise PriorError(f"{source}: invalid prior: {_name_dict_keys(data, message)}") from None
     except msgspec.DecodeError as exc:
-        raise PriorError(f"{source}: not valid JSON: {exc}") from None
+        raise PriorError(f"{source}: not valid JSON: {_with_line(data, str(exc))}") from None
     if prior.version > PRIOR_VERSION:
         raise PriorError(
-            f"{source}: prior format version {prior.version} is newer than this kapc reads "
-            f"(up to {PRIOR_VERSION}); upgrade kapc"
+            f"{source}: $.version: prior format version {prior.version} is newer than this kapc "
+            f"reads (up to {PRIOR_VERSION}); upgrade kapc"
         )
     _check_references(prior, source)
     return prior
@@ -131,14 +146,15 @@ _JSON_TYPE = {str: "str", bool: "bool", int: "int", float: "float", type(None): 
 
 def _name_dict_keys(data: bytes | str, message: str) -> str:
     """Replace the `[...]` msgspec writes for a value inside a dict with the key that holds the
-    offending value (the first whose JSON type is the one the message says it got)."""
-    m = re.search(r"got `(\w+)` - at `(\$[^`]*\[\.\.\.\][^`]*)`", message)
-    if not m:
+    offending value (the first whose JSON type is the one the message says it got, or for "Number
+    out of range" the first number that overflows a double)."""
+    m = re.search(r"(?:got `(\w+)` )?- at `(\$[^`]*\[\.\.\.\][^`]*)`", message)
+    if not m or (m.group(1) is None and "out of range" not in message):
         return message
     got, path = m.groups()
     try:
-        node = msgspec.json.decode(data)
-    except msgspec.DecodeError:
+        node = json.loads(data)  # the standard library reads 1e999 (as inf), which msgspec refuses
+    except (ValueError, RecursionError):
         return message
     steps = [(k, i) for k, i in _PATH_STEP.findall(path[1:])]
 
@@ -157,19 +173,57 @@ def _name_dict_keys(data: bytes | str, message: str) -> str:
             except (KeyError, IndexError, TypeError):
                 return None
             prefix += f".{key}" if key else f"[{idx}]"
+        if got is None:
+            return prefix if isinstance(node, float) and not math.isfinite(node) else None
         return prefix if _JSON_TYPE.get(type(node)) == got else None
 
     named = resolve(node, steps, "$")
     return message.replace(path, named.replace("'", '"')) if named else message
 
 
+def _with_line(data: bytes | str, message: str) -> str:
+    """msgspec says `(byte 1234)`; people read line and column."""
+    m = re.search(r"\(byte (\d+)\)", message)
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
+    if not m:
+        if "truncated" not in message:
+            return message
+        at = len(raw)  # msgspec: "Input data was truncated"; the end is where it stops
+        line = raw.count(b"\n") + 1
+        col = at - (raw.rfind(b"\n") + 1) + 1
+        return f"{message} at line {line}, column {col} (end of file)"
+    at = min(int(m.group(1)), len(raw))
+    line = raw.count(b"\n", 0, at) + 1
+    col = at - (raw.rfind(b"\n", 0, at) + 1) + 1
+    return f"{message[:m.start()].rstrip()} at line {line}, column {col} (byte {at})"
+
+
+def _deepest(data: bytes | str) -> str:
+    """Where JSON text reaches its deepest nesting, as `line L, column C`: msgspec reports only
+    that it recursed too deep. Vectorised, since this runs on inputs of up to 64 MiB."""
+    import numpy as np
+
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
+    a = np.frombuffer(raw, dtype=np.uint8)
+    # a quote is escaped when an odd run of backslashes precedes it
+    backslash = a == 0x5C
+    last_plain = np.maximum.accumulate(np.where(~backslash, np.arange(a.size), -1))
+    run_before = np.concatenate(([0], np.arange(a.size) - last_plain))[:-1]
+    quote = (a == 0x22) & (run_before % 2 == 0)
+    inside = (np.cumsum(quote) % 2 == 1) & ~quote
+    opens = ((a == 0x5B) | (a == 0x7B)) & ~inside
+    closes = ((a == 0x5D) | (a == 0x7D)) & ~inside
+    depth = np.cumsum(opens.astype(np.int64) - closes.astype(np.int64))
+    if not depth.size:
+        return "line 1, column 1"
+    at = int(np.argmax(depth))
+    line = int(np.count_nonzero(a[:at] == 0x0A)) + 1
+    col = at - (raw.rfind(b"\n", 0, at) + 1) + 1
+    return f"line {line}, column {col} (depth {int(depth[at])})"
+
+
 def load_prior(path: str | Path) -> Prior:
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise PriorError(f"{path}: cannot read: {exc.strerror}") from None
-    return decode_prior(data, str(path))
+    return decode_prior(read_input(path, "prior.json"), str(path))
 
 
 def encode_prior(prior: Prior, indent: int = 1) -> bytes:
@@ -201,6 +255,11 @@ def _check_references(prior: Prior, source: str) -> None:
                  for j, s in enumerate(m.segments)]
     else:
         where = [(f"$.request.raw[{j}]", s) for j, s in enumerate(req.raw or [])]
+    if req.messages is not None:
+        for i, m in enumerate(req.messages):
+            if not m.segments:
+                raise PriorError(f"{source}: $.request.messages[{i}].segments: a message needs at "
+                                 f"least one segment (an empty message is one segment with text \"\")")
     for path, seg in where:
         if seg.id is not None:
             if seg.id in seen:

@@ -18,7 +18,7 @@ import numpy as np
 
 from kapc.ir import Module
 from kapc.models import ModelAssets
-from kapc.errors import KapcError
+from kapc.errors import KapcError, excerpt
 
 
 class PromptError(KapcError):
@@ -43,6 +43,12 @@ class Tokens:
         first = np.searchsorted(self.ends, np.asarray(starts), side="right")
         last = np.searchsorted(self.starts, np.asarray(ends), side="left")
         return first, np.maximum(first, last)
+
+    def segment_spans(self, rendered: "RenderedPrompt", module: Module) -> list[tuple[int, int]]:
+        """Each segment's token span [first, last), in segment order."""
+        chars = [rendered.segment_chars[seg.id] for seg in module.segment]
+        firsts, lasts = self.spans_of([c[0] for c in chars], [c[1] for c in chars])
+        return list(zip(firsts.tolist(), lasts.tolist()))
 
     @functools.cached_property
     def hash(self) -> str:
@@ -72,8 +78,14 @@ def render(module: Module, assets: ModelAssets) -> RenderedPrompt:
         owners[-1].append(seg)
     for msg, segs in zip(messages, owners):
         msg["content"] = "".join(seg.text for seg in segs)
-    text = _template(assets.chat_template).render(
-        messages=messages, add_generation_prompt=True, **assets.special)
+    try:
+        text = _template(assets.chat_template).render(
+            messages=messages, add_generation_prompt=True, **assets.special)
+    except PromptError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a broken template fails in any way jinja can
+        raise PromptError(f"the chat template of {assets.name} fails: {type(exc).__name__}: "
+                          f"{excerpt(str(exc), 200)}") from None
 
     # Find each message's content in the rendered text, in order; a template that rewrites content
     # (strips it, say) would make character spans meaningless, so that is an error.
@@ -111,7 +123,11 @@ def _template(source: str):
 def _tokenizer(tokenizer_json: bytes):
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_str(tokenizer_json.decode())
+    try:
+        return Tokenizer.from_str(tokenizer_json.decode("utf-8"))
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises its own untyped errors
+        raise PromptError(f"the model's tokenizer.json cannot be loaded: {excerpt(str(exc), 200)}") \
+            from None
 
 
 class Tokenization:
@@ -141,6 +157,22 @@ class Tokenization:
         if self._rendered is None or self._rendered[0] != key:
             self._rendered = (key, render(module, self.assets))
         rendered = self._rendered[1]
+        limit = self.assets.max_prompt_chars()
+        if len(rendered.text) > limit:
+            # Refused before tokenizing: a native tokenizer given megabytes of text may abort the
+            # whole process, and no such prompt fits the model anyway.
+            raise PromptError(
+                f"the rendered prompt is {len(rendered.text):,} characters; {self.assets.name} "
+                f"holds {self.assets.context_tokens():,} tokens of at most "
+                f"{self.assets.max_token_chars} characters each, so at most {limit:,} characters fit")
+        try:
+            rendered.text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            seg = next((sid for sid, (a, b) in rendered.segment_chars.items() if a <= exc.start < b),
+                       None)
+            raise PromptError(f"the prompt holds a lone surrogate (U+{ord(rendered.text[exc.start]):04X})"
+                              + (f" in segment %{seg}" if seg else "") + "; text must be Unicode "
+                              f"characters") from None
         # A chat template already writes every special token it wants; raw prompts get the
         # tokenizer's own (BOS, if it adds one), as Hugging Face does for plain text.
         return rendered, self(rendered.text, add_special_tokens=module.kap.request == "raw")

@@ -20,6 +20,8 @@ Fields are only ever appended, with defaults; `FORMAT_VERSION` grows when old re
 from __future__ import annotations
 
 import hashlib
+import math
+import re
 import struct
 from pathlib import Path
 from typing import Literal
@@ -27,6 +29,8 @@ from typing import Literal
 import msgspec
 import numpy as np
 from kapc.errors import KapcError
+from kapc.files import read_input, write_output
+from kapc.limits import MAX_BLOCK_SIZE, MAX_K, MAX_PROMPT_TOKENS
 
 MAGIC = b"KAPB\x00\r\n\x1a"
 FORMAT_VERSION = 1
@@ -174,31 +178,82 @@ def decode_plan(data: bytes | memoryview, source: str = "<kapb>") -> Plan:
     except msgspec.DecodeError as exc:
         raise KapbError(f"{source}: unreadable header: {exc}") from None
     arrays = {}
+    floor = _PREFIX.size + head_len  # arrays follow the header and never overlap one another
     for ref in header.arrays:
+        where = f"{source}: array {ref.name!r}"
+        if ref.name not in _ARRAY_NAMES or ref.name in arrays:
+            raise KapbError(f"{where}: unknown or listed twice (a plan holds "
+                            f"{', '.join(_ARRAY_NAMES)} once each)")
+        if ref.dtype != "<i4":
+            raise KapbError(f"{where}: type {ref.dtype!r}, expected '<i4'")
         end = ref.offset + ref.count * 4
-        if ref.dtype != "<i4" or ref.offset % _ALIGN or end > total:
-            raise KapbError(f"{source}: array {ref.name!r} is out of bounds or of unknown type")
+        if ref.count < 0 or ref.offset < floor or ref.offset % _ALIGN or end > total:
+            raise KapbError(f"{where}: {ref.count} entries at offset {ref.offset} lie outside the "
+                            f"file's array area ({floor}..{total})")
+        floor = end
         arrays[ref.name] = np.frombuffer(buf, dtype="<i4", count=ref.count, offset=ref.offset)
     missing = [n for n in _ARRAY_NAMES if n not in arrays]
     if missing:
         raise KapbError(f"{source}: missing arrays {missing}")
-    return Plan(header=header, **arrays)
+    plan = Plan(header=header, **arrays)
+    problem = plan_problem(plan)
+    if problem:
+        raise KapbError(f"{source}: inconsistent plan: {problem}")
+    return plan
+
+
+def plan_problem(plan: Plan) -> str | None:
+    """The first way a plan's header and arrays disagree, or None. A checksum proves the bytes are
+    the ones written, not that what was written makes sense (a hand-made or buggy writer's plan)."""
+    h = plan.header
+    n, bs = h.prompt_tokens, h.block_size
+    for name in ("retained_ratio",):
+        if not math.isfinite(getattr(h, name)):
+            return f"{name} is not a finite number"
+    if n < 1 or n > MAX_PROMPT_TOKENS:
+        return f"prompt_tokens {n} is outside 1..{MAX_PROMPT_TOKENS}"
+    if not 1 <= bs <= MAX_BLOCK_SIZE:
+        return f"block_size {bs} is outside 1..{MAX_BLOCK_SIZE}"
+    if not 0 <= h.k <= MAX_K:
+        return f"k={h.k} is outside 0..{MAX_K}"
+    if not re.fullmatch(r"greedy|top[2-9]", h.accept):
+        return f"acceptance rule {h.accept!r} is not greedy or top2..top9"
+    if plan.prompt_token_ids.size != n:
+        return f"{plan.prompt_token_ids.size} prompt token ids for prompt_tokens={n}"
+    if n and int(plan.prompt_token_ids.min()) < 0:
+        return "a prompt token id is negative"
+    if prompt_hash(plan.prompt_token_ids) != h.prompt_hash:
+        return "prompt_hash does not match the prompt token ids"
+    blocks = plan.selected_blocks.astype(np.int64)
+    tail = (n - 1) // bs
+    if blocks.size == 0 or blocks[0] < 0 or np.any(np.diff(blocks) <= 0) or blocks[-1] != tail:
+        return f"selected_blocks must ascend without repeats and end with the tail block {tail}"
+    want = (blocks[:, None] * bs + np.arange(bs)).ravel()
+    want = want[want < n]
+    if plan.positions.size != want.size or not np.array_equal(plan.positions, want):
+        return "positions are not the prompt tokens of the selected blocks"
+    if h.visible_prompt_tokens != want.size:
+        return f"visible_prompt_tokens {h.visible_prompt_tokens}, the selected blocks hold {want.size}"
+    if abs(h.retained_ratio - want.size / n) > 1e-6:
+        return f"retained_ratio {h.retained_ratio} is not visible/prompt tokens ({want.size}/{n})"
+    if h.padded_blocks < blocks.size:
+        return f"padded_blocks {h.padded_blocks} is below the {blocks.size} selected blocks"
+    fb, c = h.fallback, h.cost
+    if not (0.0 <= fb.max_retained <= 1.0 and 0.0 <= fb.min_acceptance <= 1.0):
+        return "fallback: max_retained and min_acceptance must lie in [0, 1]"
+    if not 1 <= fb.acceptance_window <= 1_000_000:
+        return f"fallback: acceptance_window {fb.acceptance_window} is outside 1..1000000"
+    if not all(math.isfinite(x) for x in (c.s, c.h, c.speedup)) or c.speedup <= 0:
+        return "cost: s, h and speedup must be finite, speedup positive"
+    return None
 
 
 def write_plan(path: str | Path, data: bytes) -> None:
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)  # never leave a half-written plan under the real name
+    write_output(path, data, "-o")  # never leaves a half-written plan under the real name
 
 
 def read_plan(path: str | Path) -> Plan:
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise KapbError(f"{path}: cannot read: {exc.strerror}") from None
-    return decode_plan(data, str(path))
+    return decode_plan(read_input(path, ".kapb"), str(path))
 
 
 class PlanMismatch(KapbError):

@@ -10,7 +10,8 @@ import numpy as np
 
 from kapc import __version__
 from kapc.ir import Module
-from kapc.lower.kapb import CostPrediction, FallbackPolicy, PlanHeader, encode_plan
+from kapc.lower.kapb import (CostPrediction, FallbackPolicy, KapbError, PlanHeader, decode_plan,
+                             encode_plan)
 from kapc.passes.base import CompileContext
 from kapc.errors import KapcError
 
@@ -28,10 +29,19 @@ def lower_module(module: Module, ctx: CompileContext) -> bytes:
         raise LowerError(f"module {module.kap.name!r} was aligned for model {target.model} "
                          f"({target.fingerprint[:19]}), but the model given is {assets.name} "
                          f"({assets.fingerprint[:19]}); pass --model for the model it was made for")
-    _, tokens = ctx.tokenize.prompt(module)
-    if tokens.hash != module.prompt.hash:
-        raise LowerError(f"module {module.kap.name!r}: the prompt tokenizes to {tokens.hash[:19]}, "
-                         f"not the {module.prompt.hash[:19]} recorded by align-spans (was the text edited?)")
+    rendered, tokens = ctx.tokenize.prompt(module)
+    name = module.kap.name
+    if tokens.hash != module.prompt.hash or len(tokens.ids) != module.prompt.tokens:
+        raise LowerError(f"module {name!r}: the prompt tokenizes to {len(tokens.ids)} tokens "
+                         f"({tokens.hash[:19]}), not the {module.prompt.tokens} "
+                         f"({module.prompt.hash[:19]}) recorded by align-spans (was it edited?)")
+    # Spans are facts about the prompt, not choices: a plan must not rest on edited ones.
+    for seg, span, (first, last) in zip(module.segment, module.span,
+                                        tokens.segment_spans(rendered, module)):
+        if (span.tokens.start, span.tokens.end) != (first, last):
+            raise LowerError(f"module {name!r}: span %{span.id} says tokens "
+                             f"{span.tokens.start}..{span.tokens.end}, the prompt puts segment "
+                             f"%{seg.id} at {first}..{last} (was it edited?)")
 
     pages, bs, n = module.pages, module.pages.block_size, module.prompt.tokens
     blocks = np.concatenate([np.arange(r.start, r.end, dtype=np.int32) for r in pages.selected])
@@ -50,4 +60,9 @@ def lower_module(module: Module, ctx: CompileContext) -> bytes:
                                 on_predicted_loss=f.on_predicted_loss),
         cost=CostPrediction(weight_bytes=c.weight_bytes, kv_bytes=c.kv_bytes, batch=c.batch, s=c.s,
                             h=c.h, k=c.k, speedup=c.speedup, pays=c.pays))
-    return encode_plan(header, tokens.ids, blocks, positions)
+    data = encode_plan(header, tokens.ids, blocks, positions)
+    try:
+        decode_plan(data, f"plan {name!r}")  # the reader's consistency checks, at the writer
+    except KapbError as exc:
+        raise LowerError(f"module {name!r} lowers to an inconsistent plan: {exc}") from None
+    return data

@@ -8,22 +8,51 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
+import threading
 import typing
+from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
 import lark
 
-from kapc.ir import REF, STATEMENTS, WORD, Anchor, Module, Range
+from kapc.errors import excerpt
+from kapc.files import FileError, read_input, without_bom
+from kapc.limits import MAX_KAP_TOKENS
+from kapc.ir import KAP_VERSION, REF, STATEMENTS, WORD, Anchor, Module, Range
 from kapc.parse.diagnostics import KapError
 from kapc.parse.printer import statement_fields
+
+
+class _TokenBudget(threading.local):
+    """Counts the lexical tokens of the parse in progress and stops it past MAX_KAP_TOKENS: parse
+    time and memory grow with tokens (about 30 us and 1 KB each), so this bounds both."""
+
+    left = MAX_KAP_TOKENS
+
+    def __call__(self, tok: lark.Token) -> lark.Token:
+        self.left -= 1
+        if self.left < 0:
+            raise _TooManyTokens(tok)
+        return tok
+
+
+class _TooManyTokens(Exception):
+    def __init__(self, tok: lark.Token):
+        self.tok = tok
+
+
+_budget = _TokenBudget()
 
 
 @lru_cache(maxsize=1)
 def _parser() -> lark.Lark:
     grammar = resources.files("kapc.parse").joinpath("kap.lark").read_text()
-    return lark.Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+    terminals = ("ATTR", "NAME", "REF", "ANCHOR", "RANGE", "NUMBER", "STRING")
+    return lark.Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True,
+                     lexer_callbacks={t: _budget for t in terminals})
 
 
 _TOKEN_NAMES = {
@@ -34,59 +63,115 @@ _TOKEN_NAMES = {
 }
 
 
+@dataclass(frozen=True)
+class SourceMap:
+    """Where each statement of a parsed module stands, so that errors found later (the IR
+    checker) point at the input as parse errors do. Keys: (keyword, index among that keyword's
+    statements)."""
+
+    path: str
+    text: str
+    at: dict[tuple[str, int], tuple[int, int, int]] = field(default_factory=dict)
+
+    def error(self, message: str, keyword: str | None = None, index: int = 0) -> KapError:
+        line, column, width = self.at.get((keyword, index), (0, 0, 1)) if keyword else (0, 0, 1)
+        return KapError(message, path=self.path, source=self.text, line=line, column=column,
+                        width=width)
+
+
 def parse_module(text: str, path: str = "<kap>") -> Module:
+    return parse_located(text, path)[0]
+
+
+def parse_located(text: str, path: str = "<kap>") -> tuple[Module, SourceMap]:
+    """Parse `.kap` text; also return where each statement stands."""
     def fail(message: str, line: int, column: int, width: int = 1) -> typing.NoReturn:
         raise KapError(message, path=path, source=text, line=line, column=column, width=width)
 
+    _budget.left = MAX_KAP_TOKENS
     try:
         tree = _parser().parse(text)
+    except _TooManyTokens as exc:
+        fail(f"more than {MAX_KAP_TOKENS:,} tokens: larger than a .kap may be (docs/limits.md); "
+             f"compile the prior.json instead", exc.tok.line, exc.tok.column)
     except lark.UnexpectedCharacters as exc:
         char = text[exc.pos_in_stream]
         fail("unterminated string (or a raw control character inside it)" if char == '"'
-             else f"unexpected character {char!r}", exc.line, exc.column)
+             else f"unexpected character {ascii(char)}", exc.line, exc.column)
     except lark.UnexpectedToken as exc:
         tok = exc.token
         expected = sorted({_TOKEN_NAMES.get(e, e) for e in exc.expected})
-        got = "end of file" if tok.type == "$END" else repr(str(tok))
+        got = "end of file" if tok.type == "$END" else excerpt(str(tok), 40)
         line, col = (tok.line, tok.column) if tok.type != "$END" else _end_position(text)
         fail(f"unexpected {got}; expected {' or '.join(expected)}", line, col, len(str(tok)) or 1)
     except lark.UnexpectedEOF:
         fail("unexpected end of file", *_end_position(text))
 
+    where = SourceMap(path, text)
     collected: dict[str, list] = {k: [] for k in STATEMENTS}
     first_at: dict[str, lark.Token] = {}
     for stmt in tree.children:
         keyword, ref, *attrs = stmt.children
         if keyword not in STATEMENTS:
             hint = difflib.get_close_matches(str(keyword), STATEMENTS, n=1)
-            fail(f"unknown statement {str(keyword)!r}" + (f"; did you mean {hint[0]!r}?" if hint else ""),
+            fail(f"unknown statement {excerpt(str(keyword), 40)}"
+                 + (f"; did you mean {hint[0]!r}?" if hint else ""),
                  keyword.line, keyword.column, len(keyword))
         cls, many = STATEMENTS[keyword]
         if not many and collected[keyword]:
             prev = first_at[keyword]
-            fail(f"a second {keyword!r} statement (the first is at line {prev.line})",
+            fail(f"a second {str(keyword)!r} statement (the first is at line {prev.line})",
                  keyword.line, keyword.column, len(keyword))
         first_at.setdefault(str(keyword), keyword)
+        where.at[(str(keyword), len(collected[keyword]))] = (keyword.line, keyword.column,
+                                                             len(keyword))
         collected[keyword].append(_build(cls, keyword, ref, attrs, fail))
 
     if not collected["kap"]:
         fail("a .kap module starts with a `kap` statement (kap version=1 name=\"...\" request=chat)",
              1, 1)
+    header = collected["kap"][0]
+    if header.version != KAP_VERSION:
+        at = first_at["kap"]
+        newer = "newer than this kapc reads; upgrade kapc" if header.version > KAP_VERSION else \
+            "not a version kapc ever wrote"
+        fail(f".kap version {header.version} is {newer} (this kapc reads version {KAP_VERSION})",
+             at.line, at.column, len(at))
     fields = {k: (tuple(v) if STATEMENTS[k][1] else (v[0] if v else None)) for k, v in collected.items()}
-    return Module(**fields)
+    return Module(**fields), where
 
 
 def parse_file(path: str | Path) -> Module:
-    path = Path(path)
+    return parse_module(read_kap_text(path), str(path))
+
+
+def parse_file_located(path: str | Path) -> tuple[Module, SourceMap]:
+    return parse_located(read_kap_text(path), str(path))
+
+
+def read_kap_text(path: str | Path) -> str:
+    """A `.kap` file's text: bounded in size, and UTF-8 (an undecodable byte is reported at its
+    line and column)."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise KapError(f"cannot read: {exc}", path=str(path)) from None
-    return parse_module(text, str(path))
+        data = without_bom(read_input(path, ".kap"))
+    except FileError as exc:
+        if str(exc).startswith(str(path)):
+            raise
+        raise KapError(str(exc), path=str(path), line=1, column=1) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise KapError(f"not UTF-8: byte 0x{data[exc.start]:02x} at byte offset {exc.start}",
+                       path=str(path), line=line, column=column) from None
+    return text
 
 
 def _end_position(text: str) -> tuple[int, int]:
-    lines = text.splitlines() or [""]
+    lines = text.split("\n")
+    if len(lines) > 1 and not lines[-1]:
+        lines.pop()  # a final newline ends the last line; it does not start another
     return len(lines), len(lines[-1]) + 1
 
 
@@ -102,7 +187,8 @@ def _build(cls, keyword, ref, attrs, fail):
         key = str(key_tok).rstrip("=") if attr.data == "attr" else json.loads(key_tok)
         if key not in fields or key == "id":
             hint = difflib.get_close_matches(key, [f for f in fields if f != "id"], n=1)
-            fail(f"{keyword!s} has no attribute {key!r}" + (f"; did you mean {hint[0]!r}?" if hint else ""),
+            fail(f"{keyword!s} has no attribute {excerpt(key, 40)}"
+                 + (f"; did you mean {hint[0]!r}?" if hint else ""),
                  key_tok.line, key_tok.column, len(key_tok))
         if key in values:
             fail(f"attribute {key!r} given twice", key_tok.line, key_tok.column, len(key_tok))
@@ -113,6 +199,13 @@ def _build(cls, keyword, ref, attrs, fail):
              + (" (write it as %id after the keyword)" if "id" in missing else ""),
              keyword.line, keyword.column, len(keyword))
     return cls(**values)
+
+
+def _integer(digits: str, wrong) -> int:
+    """An integer that fits the signed 64 bits every .kap consumer stores it in."""
+    if len(digits.lstrip("-")) > 19 or not -(1 << 63) <= int(digits) < (1 << 63):
+        wrong("an integer of at most 64 bits")
+    return int(digits)
 
 
 def _position(tree) -> tuple[int, int, int]:
@@ -161,19 +254,27 @@ def _convert(tree, hint, what: str, fail):
     if hint is int:
         if kind != "number" or not str(tok).lstrip("-").isdigit():
             wrong("an integer")
-        return int(tok)
+        return _integer(str(tok), wrong)
     if hint is float:
         if kind != "number":
             wrong("a number")
-        return float(tok)
+        value = float(tok)
+        if not math.isfinite(value):
+            wrong("a finite number")
+        return value
     if hint is str:
         if kind != "string":
             wrong("a string")
-        return json.loads(tok)
+        value = json.loads(tok)
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            wrong("a string of Unicode characters (a \\u escape names a lone surrogate)")
+        return value
     if hint is Range:
         if kind != "range":
             wrong("a range (start..end)")
-        start, end = map(int, str(tok).split(".."))
+        start, end = (_integer(x, wrong) for x in str(tok).split(".."))
         if end < start:
             wrong("a range whose end is not before its start")
         return Range(start, end)
@@ -181,7 +282,7 @@ def _convert(tree, hint, what: str, fail):
         if kind != "anchor":
             wrong("an anchor (%segment@start..end)")
         seg, rng = str(tok)[1:].rsplit("@", 1)
-        start, end = map(int, rng.split(".."))
+        start, end = (_integer(x, wrong) for x in rng.split(".."))
         return Anchor(seg, start, end)
     if origin is tuple:
         if kind != "list":

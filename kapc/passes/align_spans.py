@@ -28,10 +28,10 @@ class AlignSpans(Pass):
         if limit and n > limit:
             raise PassError(f"align-spans: the prompt is {n} tokens, longer than {assets.name}'s "
                             f"context of {limit}")
-        chars = [rendered.segment_chars[seg.id] for seg in module.segment]
-        firsts, lasts = tokens.spans_of([c[0] for c in chars], [c[1] for c in chars])
-        spans = tuple(ir.Span(id=seg.id, chars=ir.Range(*c), tokens=ir.Range(int(f), int(l)))
-                      for seg, c, f, l in zip(module.segment, chars, firsts.tolist(), lasts.tolist()))
+        spans = tuple(ir.Span(id=seg.id, chars=ir.Range(*rendered.segment_chars[seg.id]),
+                              tokens=ir.Range(first, last))
+                      for seg, (first, last) in zip(module.segment,
+                                                    tokens.segment_spans(rendered, module)))
         target = ir.Target(model=assets.name, fingerprint=assets.fingerprint,
                            tokenizer=assets.tokenizer_fingerprint, template=assets.template_fingerprint,
                            parameters=assets.parameter_count(),

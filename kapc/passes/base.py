@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import ClassVar
 
 from kapc.ir import Module
@@ -42,6 +43,21 @@ class Pass:
 
     name: ClassVar[str]
     requires: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        # Options are checked when the pipeline is built, before any input is read or tokenized.
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise PassError(f"{self.name}: option {f.name.replace('_', '-')}={value} is not "
+                                f"a finite number")
+        problem = self.option_problem()
+        if problem:
+            raise PassError(f"{self.name}: {problem}")
+
+    def option_problem(self) -> str | None:
+        """Why these option values are outside the pass's domain (naming the option), or None."""
+        return None
 
     def run(self, module: Module, ctx: CompileContext) -> Module:
         raise NotImplementedError

@@ -16,12 +16,14 @@ acceptance, base = (1 + k h)(W/batch + KV) against plan = k (W/batch + s KV) + (
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import msgspec
 
 from kapc import ir
-from kapc.passes.base import CompileContext, Pass, PassError
+from kapc.errors import excerpt
+from kapc.limits import MAX_BATCH, MAX_K
+from kapc.passes.base import CompileContext, Pass
+from kapc.policy import MAX_TOPN, PolicyError, parse_accept, predicted_speedup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,14 +40,25 @@ class Compact(Pass):
     acceptance_window: int = 32
     on_predicted_loss: bool = True
 
+    def option_problem(self) -> str | None:
+        if not 1 <= self.k <= MAX_K:
+            return f"k must be within 1..{MAX_K}, not {self.k}"
+        try:
+            parse_accept(self.accept)
+        except PolicyError:
+            return f"accept must be greedy or top2..top{MAX_TOPN}, not {excerpt(self.accept)}"
+        for name in ("expect_acceptance", "max_retained", "min_acceptance"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                return f"{name.replace('_', '-')} must be within [0, 1], not {getattr(self, name)}"
+        if not 1 <= self.batch <= MAX_BATCH:
+            return f"batch must be within 1..{MAX_BATCH}, not {self.batch}"
+        if self.dtype_bytes not in (1, 2, 4, 8):
+            return f"dtype-bytes must be 1, 2, 4 or 8, not {self.dtype_bytes}"
+        if not 1 <= self.acceptance_window <= 1_000_000:
+            return f"acceptance-window must be within 1..1000000, not {self.acceptance_window}"
+        return None
+
     def run(self, module: ir.Module, ctx: CompileContext) -> ir.Module:
-        if self.k < 1:
-            raise PassError(f"compact: k must be at least 1, not {self.k}")
-        if not re.fullmatch(r"greedy|top[2-9]", self.accept):
-            raise PassError(f"compact: accept must be greedy or top2..top9, not {self.accept!r}")
-        if not 0.0 <= self.expect_acceptance <= 1.0 or self.batch < 1 or self.dtype_bytes < 1:
-            raise PassError("compact: expect-acceptance must be within [0, 1], batch and "
-                            "dtype-bytes at least 1")
         pages, target, n = module.pages, module.target, module.prompt.tokens
         width = sum(len(r) for r in pages.selected)
         tail_block = pages.blocks - 1
@@ -54,11 +67,8 @@ class Compact(Pass):
 
         weights = target.parameters * self.dtype_bytes
         kv = n * target.kv_elements_per_token * self.dtype_bytes
-        shared_w = weights / self.batch
         s, h, k = pages.retained, self.expect_acceptance, self.k
-        base = (1 + k * h) * (shared_w + kv)
-        plan = k * (shared_w + s * kv) + (shared_w + kv)
-        speedup = round(base / plan, 4)
+        speedup = round(predicted_speedup(weights, kv, self.batch, s, h, k), 4)
         cost = ir.Cost(dtype_bytes=self.dtype_bytes, batch=self.batch, weight_bytes=weights,
                        kv_bytes=kv, s=s, h=h, k=k, speedup=speedup, pays=speedup > 1.0)
         return msgspec.structs.replace(

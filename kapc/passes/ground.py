@@ -16,7 +16,8 @@ from collections import defaultdict
 import msgspec
 
 from kapc import ir
-from kapc.passes.base import CompileContext, Pass, PassError
+from kapc.errors import excerpt
+from kapc.passes.base import CompileContext, Pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,11 +26,14 @@ class Ground(Pass):
     graph_weight: float = 0.5
     norm: str = "minmax"
 
-    def run(self, module: ir.Module, ctx: CompileContext) -> ir.Module:
+    def option_problem(self) -> str | None:
         if self.norm not in ("minmax", "rank"):
-            raise PassError(f"ground: norm must be minmax or rank, not {self.norm!r}")
+            return f"norm must be minmax or rank, not {excerpt(self.norm)}"
         if not 0.0 <= self.graph_weight <= 1.0:
-            raise PassError(f"ground: graph-weight must be within [0, 1], not {self.graph_weight}")
+            return f"graph-weight must be within [0, 1], not {self.graph_weight}"
+        return None
+
+    def run(self, module: ir.Module, ctx: CompileContext) -> ir.Module:
         passages = [s.id for s in module.segment if s.kind == "passage"]
         own_units = [u for u in module.unit if u.kind == "passage"]
         graph_units = [u for u in module.unit if u.kind != "passage"]
@@ -76,7 +80,8 @@ def _normalise(units: list[ir.Unit], norm: str) -> dict[str, list[float]]:
             for uid, v in values:
                 out[uid].append(first_rank[v] / (n - 1) if n > 1 else 1.0)
         else:
-            lo, hi = min(v for _, v in values), max(v for _, v in values)
+            # Halved first: scores near +-1e308 would overflow the difference to inf (then NaN).
+            lo, hi = min(v for _, v in values) / 2, max(v for _, v in values) / 2
             for uid, v in values:
-                out[uid].append((v - lo) / (hi - lo) if hi > lo else 1.0)
+                out[uid].append((v / 2 - lo) / (hi - lo) if hi > lo else 1.0)
     return out

@@ -14,7 +14,8 @@ import msgspec
 import numpy as np
 
 from kapc import ir
-from kapc.passes.base import CompileContext, Pass, PassError
+from kapc.limits import MAX_BLOCK_SIZE
+from kapc.passes.base import CompileContext, Pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,10 +24,13 @@ class ResolvePages(Pass):
     requires = ("select",)
     block_size: int = 16
 
+    def option_problem(self) -> str | None:
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            return f"block-size must be within 1..{MAX_BLOCK_SIZE}, not {self.block_size}"
+        return None
+
     def run(self, module: ir.Module, ctx: CompileContext) -> ir.Module:
         bs = self.block_size
-        if bs < 1:
-            raise PassError(f"resolve-pages: block-size must be positive, not {bs}")
         n = module.prompt.tokens
         blocks = -(-n // bs)
         hit = np.zeros(blocks, dtype=bool)

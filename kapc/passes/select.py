@@ -39,10 +39,17 @@ class Select(Pass):
             return self.budget_tokens
         return math.floor(self.budget_ratio * prompt_tokens)
 
+    def option_problem(self) -> str | None:
+        if self.budget_tokens < 0:
+            return f"budget-tokens must be positive (or 0: use budget-ratio), not {self.budget_tokens}"
+        if not 0.0 < self.budget_ratio <= 1.0:
+            return f"budget-ratio must be within (0, 1], not {self.budget_ratio}"
+        if self.sink < 0 or self.window < 0:
+            return f"sink and window must not be negative (sink={self.sink}, window={self.window})"
+        return None
+
     def run(self, module: ir.Module, ctx: CompileContext) -> ir.Module:
         n = module.prompt.tokens
-        if self.budget_tokens < 0 or not 0.0 < self.budget_ratio <= 1.0:
-            raise PassError("select: budget-tokens must be positive and budget-ratio within (0, 1]")
         budget = self.budget(n)
         if budget >= n:
             raise PassError(

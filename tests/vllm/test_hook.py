@@ -50,21 +50,64 @@ def test_batch_identical_to_plain_vllm(engine, cases, baseline):
     assert timing["draft_rows"] > timing["draft_forwards"]
 
 
-def test_mismatched_plans_refused_per_request(engine, cases, baseline, plan_bs64):
-    """A plan compiled for another prompt and one compiled for another block size are refused for
-    their own requests only; the batch's other plan still runs; all outputs stay lossless."""
+def test_mismatched_plans_refused_per_request(engine, cases, baseline):
+    """A plan compiled for another prompt is refused for its own request only; the batch's other
+    plan still runs; all outputs stay lossless."""
     from kapc.runtime.vllm import generate
 
     a, b, c = cases[0], cases[1], cases[2]
     n = 24
-    res = generate(engine, [a.ids, b.ids, c.ids], [b.plan, plan_bs64, c.plan], max_tokens=n,
+    res = generate(engine, [a.ids, c.ids], [b.plan, c.plan], max_tokens=n,
                    honor_predicted_loss=False)
     assert res[0]["status"] == "refused" and "another prompt" in res[0]["reason"]
-    assert res[1]["status"] == "refused" and "block size 64" in res[1]["reason"]
-    for r in res[:2]:
-        assert r["proposed"] == 0
-    _check_reported(res[2], c.plan)
-    assert [r["tokens"] for r in res] == [baseline[0][:n], baseline[1][:n], baseline[2][:n]]
+    assert res[0]["proposed"] == 0
+    _check_reported(res[1], c.plan)
+    assert [r["tokens"] for r in res] == [baseline[0][:n], baseline[2][:n]]
+
+
+def test_plans_of_another_block_size_run_on_the_engine_blocks(engine, cases, baseline,
+                                                              other_block_plans):
+    """Plans compiled for block sizes 16 and 64 run on the engine's 32-token blocks: a block is
+    visible when any token the plan shows lies in it (16: a superset of the plan's tokens; 64: the
+    same tokens), the hook says what it adapted, and greedy output stays identical."""
+    from kapc.runtime.vllm import generate
+
+    b = cases[1]
+    n = 24
+    plans = [other_block_plans[16], other_block_plans[64]]
+    res = generate(engine, [b.ids, b.ids], plans, max_tokens=n, honor_predicted_loss=False)
+    bs = engine.block_size
+    P = len(b.ids)
+    for r, plan in zip(res, plans):
+        assert r["status"] == "plan", r["reason"]
+        assert f"block size {plan.header.block_size}" in r["note"]
+        assert r["proposed"] > 0 and r["tokens"] == baseline[1][:n]
+        blocks = {int(t) // bs for t in plan.positions} | {(P - 1) // bs}
+        assert r["visible_prompt_tokens"] == sum(min(P, (x + 1) * bs) - x * bs for x in blocks)
+    assert res[0]["visible_prompt_tokens"] > len(plans[0].positions)  # coarser: a superset
+    assert res[1]["visible_prompt_tokens"] == len(plans[1].positions)  # finer: the same tokens
+
+
+def _fail_fingerprint(worker, on: bool) -> None:
+    p = worker.model_runner.drafter
+    p._fingerprint = None if on else False
+    p._fingerprint_error = "simulated: the model folder could not be read"
+
+
+def test_plan_refused_when_the_engine_model_cannot_be_fingerprinted(engine, cases, baseline):
+    """If the proposer cannot compute the engine model's fingerprint, it refuses plans rather than
+    running them unchecked. SIMULATED: the failure (an unreadable model folder under a running
+    engine) cannot be caused for real, so the test sets the proposer's cached failure."""
+    from kapc.runtime.vllm import generate
+
+    c = cases[2]
+    engine.llm.collective_rpc(_fail_fingerprint, args=(True,))
+    try:
+        (r,) = generate(engine, [c.ids], [c.plan], max_tokens=8, honor_predicted_loss=False)
+    finally:
+        engine.llm.collective_rpc(_fail_fingerprint, args=(False,))
+    assert r["status"] == "refused" and "cannot fingerprint" in r["reason"]
+    assert r["proposed"] == 0 and r["tokens"] == baseline[2][:8]
 
 
 def test_predicted_loss_falls_back(engine, cases, baseline):
@@ -175,3 +218,50 @@ def test_top3_tolerant_acceptance(engine, cases, baseline):
     (over,) = generate(engine, [a.ids], [a.plan], max_tokens=8, honor_predicted_loss=False,
                        accept="top3")
     assert over["accept"] == "top3"
+
+
+def test_adversarial_plans_stay_lossless(engine, cases, baseline):
+    """Plans that select nothing, everything or nonsense run and stay identical to plain vLLM;
+    plans a reader would refuse (pages past the prompt, duplicated and unsorted blocks), sent as
+    bytes, are refused for their own requests with the reason, and those stay identical too."""
+    import numpy as np
+
+    from kapc.lower.kapb import FallbackPolicy, encode_plan
+    from kapc.runtime.model import load_model
+    from kapc.runtime.planning import plan_from_blocks
+    from kapc.runtime.vllm import generate
+
+    c = cases[3]
+    bs, P = engine.block_size, len(c.ids)
+    tail = (P - 1) // bs
+    m = load_model()
+    keep = FallbackPolicy(min_acceptance=0.0, max_retained=1.0)
+    rng = np.random.default_rng(3)
+
+    def plan(blocks):
+        return plan_from_blocks(m, c.ids, blocks, block_size=bs, k=4, pays=True, fallback=keep)
+
+    nothing = plan([])
+    valid = {"nothing": nothing, "everything": plan(range(tail + 1)),
+             "nonsense": plan(rng.choice(tail, size=max(1, tail // 4), replace=False))}
+    h = nothing.header
+    bad = {
+        "past the prompt": encode_plan(h, c.ids, [tail, tail + 2],
+                                       np.concatenate([nothing.positions, np.arange(P, P + bs)])),
+        "duplicated and unsorted": encode_plan(h, c.ids, [3, 1, 1, tail], nothing.positions),
+    }
+    names = list(valid) + list(bad)
+    n = 16
+    res = generate(engine, [c.ids] * len(names), list(valid.values()) + list(bad.values()),
+                   max_tokens=n, honor_predicted_loss=False)
+    for name, r in zip(names, res):
+        assert r["tokens"] == baseline[3][:n], name
+    for name, r in zip(names, res):
+        if name in valid:
+            assert r["status"] == "plan" and r["proposed"] > 0, (name, r["reason"])
+        else:
+            assert r["status"] == "refused" and "inconsistent plan" in r["reason"], (name, r)
+            assert r["proposed"] == 0
+    by = dict(zip(names, res))
+    assert by["everything"]["retained_ratio"] == 1.0
+    assert by["everything"]["accepted"] == by["everything"]["proposed"]
