@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kapc-setup
 PIP := $(BIN)/pip install --disable-pip-version-check -q
 
-.PHONY: setup demo test bench fmt-check clean-cache
+.PHONY: setup demo test bench fuzz fmt-check clean-cache
 setup: $(STAMP)
 
 # torch first (the CPU build on this machine's disk), then the packages that must go in without their
@@ -29,6 +29,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --ignore=tests/vllm $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -q tests/vllm $(PYTEST_ARGS)
+
+# Coverage-guided fuzzing of every input boundary (tests/fuzz/README.md), FUZZ_RUNS inputs each.
+FUZZ_RUNS ?= 100000
+fuzz: $(STAMP)
+	for t in prior kap kapb pipeline; do \
+	  $(BIN)/python -m tests.fuzz.atheris_run $$t -runs=$(FUZZ_RUNS) || exit 1; done
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.compile_time

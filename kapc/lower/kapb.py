@@ -30,7 +30,7 @@ import msgspec
 import numpy as np
 from kapc.errors import KapcError
 from kapc.files import read_input, write_output
-from kapc.limits import MAX_BLOCK_SIZE, MAX_K, MAX_PROMPT_TOKENS
+from kapc.limits import MAX_BATCH, MAX_BLOCK_SIZE, MAX_K, MAX_PROMPT_TOKENS
 
 MAGIC = b"KAPB\x00\r\n\x1a"
 FORMAT_VERSION = 1
@@ -214,8 +214,8 @@ def plan_problem(plan: Plan) -> str | None:
         return f"prompt_tokens {n} is outside 1..{MAX_PROMPT_TOKENS}"
     if not 1 <= bs <= MAX_BLOCK_SIZE:
         return f"block_size {bs} is outside 1..{MAX_BLOCK_SIZE}"
-    if not 0 <= h.k <= MAX_K:
-        return f"k={h.k} is outside 0..{MAX_K}"
+    if not 1 <= h.k <= MAX_K:
+        return f"k={h.k} is outside 1..{MAX_K}"
     if not re.fullmatch(r"greedy|top[2-9]", h.accept):
         return f"acceptance rule {h.accept!r} is not greedy or top2..top9"
     if plan.prompt_token_ids.size != n:
@@ -245,6 +245,11 @@ def plan_problem(plan: Plan) -> str | None:
         return f"fallback: acceptance_window {fb.acceptance_window} is outside 1..1000000"
     if not all(math.isfinite(x) for x in (c.s, c.h, c.speedup)) or c.speedup <= 0:
         return "cost: s, h and speedup must be finite, speedup positive"
+    if not (0.0 <= c.h <= 1.0 and abs(c.s - h.retained_ratio) <= 1e-6):
+        return f"cost: h={c.h} must lie in [0, 1] and s={c.s} equal retained_ratio"
+    if c.k != h.k or not 1 <= c.batch <= MAX_BATCH or c.weight_bytes < 0 or c.kv_bytes < 0:
+        return (f"cost: k={c.k} must be the plan's ({h.k}), batch={c.batch} within 1..{MAX_BATCH}, "
+                f"byte counts not negative")
     return None
 
 

@@ -162,7 +162,8 @@ def read_kap_text(path: str | Path) -> str:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
-        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        line_start = data.rfind(b"\n", 0, exc.start) + 1
+        column = len(data[line_start:exc.start].decode("utf-8", "replace")) + 1  # characters
         raise KapError(f"not UTF-8: byte 0x{data[exc.start]:02x} at byte offset {exc.start}",
                        path=str(path), line=line, column=column) from None
     return text
@@ -295,6 +296,9 @@ def _convert(tree, hint, what: str, fail):
         for attr in (c for c in tree.children if c is not None):
             key_tok, value_tree = attr.children
             key = str(key_tok).rstrip("=") if attr.data == "attr" else json.loads(key_tok)
+            if key in out:
+                fail(f"{what}: key {excerpt(key, 40)} given twice", key_tok.line, key_tok.column,
+                     len(key_tok))
             out[key] = _convert(value_tree, args[1], f"{what}.{key}", fail)
         return out
     raise TypeError(f"no text form for {hint!r}")

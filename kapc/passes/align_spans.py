@@ -24,6 +24,9 @@ class AlignSpans(Pass):
         assets = ctx.assets
         rendered, tokens = ctx.tokenize.prompt(module)
         n = len(tokens.ids)
+        if n == 0:
+            raise PassError("align-spans: the prompt is empty (no segment has any text, and a raw "
+                            "request adds no template)")
         limit = assets.config.get("max_position_embeddings")
         if limit and n > limit:
             raise PassError(f"align-spans: the prompt is {n} tokens, longer than {assets.name}'s "

@@ -22,6 +22,7 @@ import numpy as np
 
 from kapc import ir
 from kapc.intervals import union
+from kapc.limits import MAX_PROMPT_TOKENS
 from kapc.passes.base import CompileContext, Pass, PassError
 
 
@@ -40,12 +41,12 @@ class Select(Pass):
         return math.floor(self.budget_ratio * prompt_tokens)
 
     def option_problem(self) -> str | None:
-        if self.budget_tokens < 0:
-            return f"budget-tokens must be positive (or 0: use budget-ratio), not {self.budget_tokens}"
+        for name in ("budget_tokens", "sink", "window"):
+            if not 0 <= getattr(self, name) <= MAX_PROMPT_TOKENS:
+                return (f"{name.replace('_', '-')} must be within 0..{MAX_PROMPT_TOKENS}, not "
+                        f"{getattr(self, name)}")
         if not 0.0 < self.budget_ratio <= 1.0:
             return f"budget-ratio must be within (0, 1], not {self.budget_ratio}"
-        if self.sink < 0 or self.window < 0:
-            return f"sink and window must not be negative (sink={self.sink}, window={self.window})"
         return None
 
     def run(self, module: ir.Module, ctx: CompileContext) -> ir.Module:

@@ -171,7 +171,7 @@ def test_utf8_bom_prior_compiles(tmp_path):
 
 @pytest.mark.parametrize("passes,expected", [
     ("ground,align-spans,select{budget-tokens=1},resolve-pages,compact", "below the"),
-    ("ground,align-spans,select{budget-tokens=100000000},resolve-pages,compact", "not below the prompt"),
+    ("ground,align-spans,select{budget-tokens=1000000},resolve-pages,compact", "not below the prompt"),
     ("ground,align-spans,select{budget-ratio=0},resolve-pages,compact", "budget-ratio must be within"),
     ("ground,align-spans,select{budget-ratio=nan},resolve-pages,compact", "not a finite number"),
     ("compact{accept=top99}", "compact: accept must be"),
@@ -204,6 +204,8 @@ KAP_CASES = {
     "unknown attribute": (HEAD + 'segment %a role=user txt="q"\n', ":2:", "did you mean 'text'"),
     "wrong type": (HEAD + 'segment %a role=user text=3\n', ":2:", "expected a string"),
     "attribute twice": (HEAD + 'segment %a role=user text="q" text="r"\n', ":2:", "given twice"),
+    "map key twice": (HEAD + "unit %u kind=passage scores={a=1.0, a=2.0}\n", ":2:37:",
+                      "key 'a' given twice"),
     "missing attribute": (HEAD + "segment %a role=user\n", ":2:1:", "missing 'text'"),
     "second header": (HEAD + HEAD, ":2:1:", "a second 'kap' statement"),
     "no header": ('segment %a role=user text="q"\n', ":1:1:", "starts with a `kap` statement"),
@@ -244,6 +246,12 @@ def test_bad_kap(case, tmp_path):
     for args in (["fmt", "--check", path], ["compile", path, "-o", tmp_path / "p.kapb"]):
         err = refused(args, expected)
         assert f"{path}{where}" in err, err
+
+
+def test_non_utf8_kap_points_at_the_character(tmp_path):
+    path = tmp_path / "latin1.kap"
+    path.write_bytes('kap name="\u00e9'.encode() + b'\xff" request=chat\n')
+    refused(["fmt", "--check", path], f"{path}:1:12:", "not UTF-8: byte 0xff")
 
 
 def test_line_separators_do_not_move_the_caret(tmp_path):

@@ -1,0 +1,1 @@
+"""Fuzz harness for kapc's input boundaries (prior.json, .kap, .kapb, pipelines). See README.md."""
