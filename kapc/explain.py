@@ -52,11 +52,29 @@ def prompt_view(module: Module) -> list[str]:
         lines.append(f"# pages: {width} of {p.blocks} blocks of {p.block_size} tokens, "
                      f"{p.visible} visible tokens, s = {p.retained:.3f}; map: {_block_map(module)}")
     if module.cost is not None:
-        c = module.cost
-        verdict = "pays off" if c.pays else "predicted loss: runtime falls back to full context" \
-            if module.fallback.on_predicted_loss else "predicted loss"
-        lines.append(f"# cost: k={c.k} h={c.h} batch={c.batch} -> predicted speedup "
-                     f"{c.speedup:.3f}x ({verdict})")
+        lines += cost_view(module)
+    return lines
+
+
+def cost_view(module: Module) -> list[str]:
+    """What the cost model predicts, and what would change its mind."""
+    c = module.cost
+    verdict = "pays off" if c.pays else "predicted loss: runtime falls back to full context" \
+        if module.fallback.on_predicted_loss else "predicted loss"
+    p = f" p={c.p:.3f} ->" if c.p is not None else ""
+    lines = [f"# cost ({c.basis}): k={c.k}{p} h={c.h:.3f}, h - s = {c.h - c.s:.3f}, batch={c.batch}"
+             f" -> predicted speedup {c.speedup:.3f}x ({verdict})"]
+    floor = module.fallback.min_acceptance
+    if c.break_even is not None:
+        why = f"the runtime stops drafting below {floor:.3f}" if c.basis != "memory-bound" else \
+            f"the runtime's floor stays {floor:.3f} (only a measured profile sets it to break-even)"
+        lines.append(f"# cost: breaks even at acceptance h = {c.break_even:.3f} for s = {c.s:.3f}"
+                     f" and k = {c.k}; {why}")
+    elif c.by_k:
+        lines.append(f"# cost: no acceptance makes this plan pay at k = {c.k}")
+    if c.by_k:
+        lines.append("# cost: predicted speedup by k: " + "  ".join(
+            f"{k}:{v:.2f}" + ("*" if k == c.k else "") for k, v in enumerate(c.by_k, 1)))
     return lines
 
 

@@ -163,10 +163,14 @@ class Cost(Node, kw_only=True):
     weight_bytes: int
     kv_bytes: int
     s: float
-    h: float
+    h: float  # the acceptance rate (accepted / proposed) expected at k
     k: int
     speedup: float
     pays: bool
+    p: float | None = None  # per-draft acceptance the prediction assumes (h follows from p and k)
+    basis: str = "memory-bound"  # or the calibration profile's key
+    break_even: float | None = None  # the acceptance rate h at which the plan neither gains nor loses
+    by_k: tuple[float, ...] = ()  # predicted speedup at k = 1, 2, ...
 
 
 class Module(Node, kw_only=True):

@@ -7,6 +7,7 @@ import dataclasses
 import difflib
 import re
 import time
+import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,7 +63,9 @@ def _build_pass(cls: type[Pass], opts: str) -> Pass:
         typ = hints[names[key]]
         raw = raw.strip()
         try:
-            if typ is bool:
+            if typing.get_origin(typ) in (typing.Union, types.UnionType):  # int | str: k=auto
+                value = int(raw) if raw.lstrip("-").isdigit() else raw
+            elif typ is bool:
                 if raw not in ("true", "false"):
                     raise ValueError
                 value = raw == "true"
@@ -70,7 +73,7 @@ def _build_pass(cls: type[Pass], opts: str) -> Pass:
                 value = typ(raw)
         except ValueError:
             raise PipelineError(f"{cls.name}: option {key}={excerpt(raw)} is not a valid "
-                                f"{typ.__name__}") from None
+                                f"{getattr(typ, '__name__', str(typ))}") from None
         values[names[key]] = value
     return cls(**values)
 

@@ -54,6 +54,24 @@ def accepted_prefix(drafts: Sequence[int], candidates: Sequence[Sequence[int]], 
 
 
 # ---- the cost model -------------------------------------------------------------------------
+#
+# Acceptance is modelled per draft: p is the probability that draft i is accepted given draft
+# i-1 was (verification accepts a prefix). A cycle of k drafts then emits 1 + p + ... + p^k
+# tokens on average, and the acceptance rate runtimes measure (accepted / proposed) is
+# h(k) = (p + ... + p^k) / k, which falls as k grows: that is what makes a best k exist.
+
+MAX_AUTO_K = 8  # k=auto tries 1..8: verification cost grows with k, acceptance per draft falls
+
+
+def tokens_per_cycle(p: float, k: int) -> float:
+    """Expected tokens one cycle (k drafts, one verification) emits."""
+    return 1.0 + sum(p ** i for i in range(1, k + 1))
+
+
+def acceptance_rate(p: float, k: int) -> float:
+    """Expected accepted / proposed for k drafts of per-draft acceptance p."""
+    return (tokens_per_cycle(p, k) - 1.0) / k if k else 0.0
+
 
 def predicted_speedup(weight_bytes: float, kv_bytes: float, batch: int, s: float, h: float,
                       k: int) -> float:
@@ -66,6 +84,60 @@ def predicted_speedup(weight_bytes: float, kv_bytes: float, batch: int, s: float
     base = (1 + k * h) * (w + kv)
     plan = k * (w + s * kv) + (w + kv)
     return base / plan
+
+
+def profiled_speedup(profile, batch: int, context: int, s: float, k: int, p: float) -> float:
+    """Speedup over the engine's plain decoding, from measured step times (a
+    `kapc.profile.Profile`): (1 + p + ... + p^k) plain steps' worth of tokens per cycle of k draft
+    forwards over s*context tokens and one verification of k+1 tokens over the context."""
+    plain = profile.seconds("plain", batch, context)
+    draft = profile.seconds("draft", batch, max(1.0, s * context))
+    propose = profile.seconds("propose", batch, context) if "propose" in profile.fits else 0.0
+    verify = profile.seconds("verify", batch, context, query=k + 1)
+    return tokens_per_cycle(p, k) * plain / (k * draft + propose + verify)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the cost model says about a plan at proposal length k."""
+
+    k: int
+    p: float  # per-draft acceptance assumed
+    h: float  # the acceptance rate that implies at this k
+    speedup: float
+    break_even: float | None  # the acceptance rate h at which speedup is 1 (None: never)
+    by_k: tuple[float, ...]  # predicted speedup at k = 1 .. MAX_AUTO_K
+    basis: str  # "memory-bound" or the profile's key
+
+
+def predict(*, s: float, p: float, k: int | None, batch: int, context: int, profile=None,
+            weight_bytes: float = 0.0, kv_bytes: float = 0.0) -> Prediction:
+    """The speedup of a plan retaining s of `context` tokens, per-draft acceptance p, at proposal
+    length k (None: the k in 1..MAX_AUTO_K with the best predicted speedup). With a profile the
+    step times are the measured ones; without, the paper's memory-bound model."""
+
+    def speedup(kk: int, pp: float) -> float:
+        if profile is not None:
+            return profiled_speedup(profile, batch, context, s, kk, pp)
+        return predicted_speedup(weight_bytes, kv_bytes, batch, s, acceptance_rate(pp, kk), kk)
+
+    by_k = tuple(round(speedup(kk, p), 4) for kk in range(1, MAX_AUTO_K + 1))
+    if k is None:
+        k = 1 + max(range(MAX_AUTO_K), key=lambda i: (by_k[i], -i))
+    value = speedup(k, p)
+    # break-even: the p (then h) at which the plan neither gains nor loses; speedup grows with p
+    if speedup(k, 1.0) < 1.0:
+        break_even = None
+    elif speedup(k, 0.0) >= 1.0:
+        break_even = 0.0
+    else:
+        lo, hi = 0.0, 1.0
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if speedup(k, mid) < 1.0 else (lo, mid)
+        break_even = round(acceptance_rate(hi, k), 4)
+    return Prediction(k=k, p=p, h=acceptance_rate(p, k), speedup=value, break_even=break_even,
+                      by_k=by_k, basis=profile.key if profile is not None else "memory-bound")
 
 
 # ---- admission ------------------------------------------------------------------------------

@@ -52,8 +52,8 @@ class FallbackPolicy(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class CostPrediction(msgspec.Struct, frozen=True, kw_only=True):
-    """The memory-bound cost model: base (1+kh)(W+KV) against plan k(W+sKV)+(W+KV), W shared by
-    the batch. `speedup` is base/plan for the expected acceptance `h`."""
+    """What the compiler predicted (kapc.policy.predict): the speedup at the expected acceptance
+    `h`, from the memory-bound model or from a calibration profile (`basis`)."""
 
     weight_bytes: int
     kv_bytes: int  # full-context KV bytes of this prompt
@@ -63,6 +63,8 @@ class CostPrediction(msgspec.Struct, frozen=True, kw_only=True):
     k: int
     speedup: float
     pays: bool
+    basis: str = "memory-bound"
+    break_even: float | None = None  # acceptance rate h at which the plan breaks even
 
 
 class ArrayRef(msgspec.Struct, frozen=True, array_like=True):

@@ -21,9 +21,11 @@ class CompileContext:
     """What passes may consult besides the IR: the target model's assets, loaded on first use, and
     a tokenization memo shared by every pass and by lowering."""
 
-    def __init__(self, model: str | None = None, assets: ModelAssets | None = None):
+    def __init__(self, model: str | None = None, assets: ModelAssets | None = None,
+                 engine: str | None = None):
         self.model_spec = model
         self._assets = assets
+        self.engine = engine  # the target engine (kapc.policy.ENGINE_BLOCK_SIZE), if named
 
     @property
     def assets(self) -> ModelAssets:

@@ -8,9 +8,14 @@ sits at compact index `tail_slot + (p - tail_block * block_size)`. The table wid
 a power of two so that runtimes see few distinct shapes.
 
 Also writes the verification policy (`k`, `accept` greedy or top{N}), the fallback conditions,
-and the cost model's prediction for this prompt: with W the weight bytes shared by a batch of
-`batch` requests, KV this prompt's full KV bytes, s the retained ratio and h the expected
-acceptance, base = (1 + k h)(W/batch + KV) against plan = k (W/batch + s KV) + (W/batch + KV).
+and the cost model's prediction for this prompt (`kapc.policy.predict`). With a calibration
+profile of the target engine (`profile=auto` finds the one `kapc calibrate` wrote for
+`kapc compile --engine ...`; `profile=PATH` names one) the prediction uses measured step times and
+the profile's acceptance model for this s; without one, the paper's memory-bound model with
+`expect-acceptance` as the per-draft acceptance p. `k=auto` takes the k with the best predicted
+speedup. With a profile, the runtime's acceptance floor (`fallback.min_acceptance`) is raised to
+the break-even acceptance, so a request whose drafts are rejected too often to pay stops
+drafting.
 """
 
 from __future__ import annotations
@@ -22,27 +27,28 @@ import msgspec
 from kapc import ir
 from kapc.errors import excerpt
 from kapc.limits import MAX_BATCH, MAX_K
-from kapc.passes.base import CompileContext, Pass
-from kapc.policy import MAX_TOPN, PolicyError, parse_accept, predicted_speedup
+from kapc.passes.base import CompileContext, Pass, PassError
+from kapc.policy import MAX_TOPN, PolicyError, parse_accept, predict
 
 
 @dataclasses.dataclass(frozen=True)
 class Compact(Pass):
     name = "compact"
     requires = ("resolve-pages",)
-    k: int = 6
+    k: int | str = 6  # or "auto"
     accept: str = "greedy"
-    expect_acceptance: float = 0.8
+    expect_acceptance: float = 0.8  # per-draft acceptance p, where no profile says better
     batch: int = 1
     dtype_bytes: int = 4
     max_retained: float = 0.5
     min_acceptance: float = 0.3
     acceptance_window: int = 32
     on_predicted_loss: bool = True
+    profile: str = "auto"  # auto, none, or the path of a profile file
 
     def option_problem(self) -> str | None:
-        if not 1 <= self.k <= MAX_K:
-            return f"k must be within 1..{MAX_K}, not {self.k}"
+        if self.k != "auto" and not (isinstance(self.k, int) and 1 <= self.k <= MAX_K):
+            return f"k must be auto or within 1..{MAX_K}, not {excerpt(self.k)}"
         try:
             parse_accept(self.accept)
         except PolicyError:
@@ -67,13 +73,43 @@ class Compact(Pass):
 
         weights = target.parameters * self.dtype_bytes
         kv = n * target.kv_elements_per_token * self.dtype_bytes
-        s, h, k = pages.retained, self.expect_acceptance, self.k
-        speedup = round(predicted_speedup(weights, kv, self.batch, s, h, k), 4)
+        s = pages.retained
+        profile = self._profile(ctx, target.fingerprint)
+        fit = profile.acceptance.get(self.accept) if profile is not None else None
+        p = fit.p(s) if fit is not None else self.expect_acceptance
+        pred = predict(s=s, p=p, k=None if self.k == "auto" else self.k, batch=self.batch,
+                       context=n, profile=profile, weight_bytes=weights, kv_bytes=kv)
+        speedup = round(pred.speedup, 4)
+        # Memory-bound predictions are known to be wrong on some hardware (DESIGN.md): only a
+        # measured profile's break-even may stop a runtime.
+        floor = self.min_acceptance
+        if profile is not None:
+            floor = max(floor, pred.break_even if pred.break_even is not None else 1.0)
         cost = ir.Cost(dtype_bytes=self.dtype_bytes, batch=self.batch, weight_bytes=weights,
-                       kv_bytes=kv, s=s, h=h, k=k, speedup=speedup, pays=speedup > 1.0)
+                       kv_bytes=kv, s=s, h=round(pred.h, 6), k=pred.k, speedup=speedup,
+                       pays=speedup > 1.0, p=round(p, 6), basis=pred.basis,
+                       break_even=pred.break_even, by_k=pred.by_k)
         return msgspec.structs.replace(
-            module, view=view, verify=ir.Verify(k=k, accept=self.accept),
-            fallback=ir.Fallback(max_retained=self.max_retained, min_acceptance=self.min_acceptance,
+            module, view=view, verify=ir.Verify(k=pred.k, accept=self.accept),
+            fallback=ir.Fallback(max_retained=self.max_retained, min_acceptance=round(floor, 6),
                                  acceptance_window=self.acceptance_window,
                                  on_predicted_loss=self.on_predicted_loss),
             cost=cost)
+
+    def _profile(self, ctx: CompileContext, fingerprint: str):
+        from kapc.profile import ProfileError, find_profile, load_profile
+
+        if self.profile == "none":
+            return None
+        if self.profile != "auto":
+            profile = load_profile(self.profile)
+            if profile.model_fingerprint != fingerprint:
+                raise PassError(f"compact: profile {self.profile} was calibrated for another model "
+                                f"({profile.model}, {profile.model_fingerprint[:19]})")
+            return profile
+        if ctx.engine is None:
+            return None
+        try:
+            return find_profile(ctx.engine, fingerprint)
+        except ProfileError:
+            return None

@@ -70,6 +70,7 @@ class RequestResult:
     decode_tokens: int  # tokens emitted by the cycles (all tokens but the prefill's)
     prefill_s: float
     speedup_predicted: float | None
+    accepted_per_pos: list[int] = field(default_factory=list)  # cycles accepting >= j+1 drafts
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -128,6 +129,7 @@ class _Seq:
     cycles: int = 0
     plan_cycles: int = 0
     monitor: AcceptanceMonitor | None = None
+    per_pos: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
     ran_plan: bool = False
 
@@ -364,6 +366,9 @@ class Executor:
                     s.plan_cycles += 1
                     s.proposed += len(d)
                     s.accepted += a
+                    s.per_pos += [0] * (len(d) - len(s.per_pos))
+                    for j in range(a):
+                        s.per_pos[j] += 1
                     reason = s.monitor.record(len(d), a)
                     if reason and s.mode == "plan":
                         s.mode, s.fallback_reason = "full", reason
@@ -514,5 +519,6 @@ class Executor:
             retained_ratio=executed_s, plan_retained_ratio=h.retained_ratio if h else None,
             accept=s.accept, k=s.k, proposed=s.proposed, accepted=s.accepted, cycles=s.cycles,
             plan_cycles=s.plan_cycles, decode_tokens=len(s.out) - 1 if s.out else 0,
-            prefill_s=s.prefill_s, speedup_predicted=h.cost.speedup if h else None)
+            prefill_s=s.prefill_s, speedup_predicted=h.cost.speedup if h else None,
+            accepted_per_pos=list(s.per_pos))
 

@@ -34,3 +34,29 @@ def plan_from_blocks(model, prompt_ids, blocks, *, block_size: int, k: int = 6,
         cost=CostPrediction(weight_bytes=model.weight_bytes, kv_bytes=kv, batch=batch, s=s, h=h,
                             k=k, speedup=sp, pays=sp > 1.0 if pays is None else pays))
     return decode_plan(encode_plan(header, ids, np.asarray(sel, dtype=np.int32), pos))
+
+
+class PlanTarget:
+    """What `plan_from_blocks` needs of a model, from the compiler's `ModelAssets` (no weights
+    loaded): for runtimes that run a model elsewhere, such as a vLLM engine."""
+
+    def __init__(self, assets, dtype_bytes: int = 4):
+        self.name = assets.name
+        self.fingerprint = assets.fingerprint
+        self.tokenizer_fingerprint = assets.tokenizer_fingerprint
+        self.template_fingerprint = assets.template_fingerprint
+        self.weight_bytes = assets.parameter_count() * dtype_bytes
+        self._kv = assets.kv_elements_per_token() * dtype_bytes
+
+    def kv_bytes_per_token(self) -> int:
+        return self._kv
+
+
+def spread_blocks(prompt_tokens: int, block_size: int, s: float) -> list[int]:
+    """About s of a prompt's full blocks, spread evenly (the tail block is added by the plan):
+    a selection with the retained ratio of a real plan, for timing."""
+    tail = (prompt_tokens - 1) // block_size
+    want = max(0, round(s * prompt_tokens / block_size) - 1)
+    if want <= 0 or tail == 0:
+        return []
+    return sorted({int(b) for b in np.linspace(0, tail - 1, num=min(want, tail))})

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -129,6 +130,12 @@ class KapProposer:
         self.states: dict[str, _ReqState] = {}  # by vLLM request id
         self.finished: dict[str, dict] = {}  # by tag, for requests no longer in the batch
         self.timing = {"propose_s": 0.0, "draft_forwards": 0, "draft_rows": 0, "calls": 0}
+        # One record per engine step, for calibration: (entered, left, rows in the batch, rows
+        # that drafted, draft forwards, seconds inside those forwards). The time from one call's
+        # exit to the next call's entry is the rest of the step (verification forward, sampling,
+        # scheduling); the call less its forwards is the proposer's own overhead.
+        self._forward_s = 0.0
+        self.step_log: deque = deque(maxlen=100_000)
         problems = attention_problems(vllm_config.model_config.hf_config)
         if problems:
             raise UnsupportedAttention("kapc's vLLM hook cannot run this model: "
@@ -359,6 +366,7 @@ class KapProposer:
             if max_steps < 1:
                 continue
             rows.append((row, st, P, blocks, max_steps))
+        self._forward_s = 0.0
         if rows:
             drafts = self._draft(rows, token_ids_cpu)
             for (row, st, *_), d in zip(rows, drafts):
@@ -366,8 +374,11 @@ class KapProposer:
                 st.last_drafted = len(d)
                 st.proposed += len(d)
                 st.cycles += 1
-        self.timing["propose_s"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.timing["propose_s"] += t1 - t0
         self.timing["calls"] += 1
+        self.step_log.append((t0, t1, n_rows, len(rows), max((r[4] for r in rows), default=0),
+                              self._forward_s))
         return out
 
     def _draft(self, rows, token_ids_cpu) -> list[list[int]]:
@@ -424,12 +435,14 @@ class KapProposer:
             )
             meta = builder.build_for_drafting(common_attn_metadata=cam, draft_index=step)
             per_layer = {name: meta for name in self._layer_names}
+            tf = time.perf_counter()
             with set_forward_context(per_layer, self.vllm_config, num_tokens=n,
                                      slot_mapping={name: slot_t for name in self._layer_names}):
                 hidden = model(input_ids=ids_t, positions=pos_t, intermediate_tensors=None,
                                inputs_embeds=None)
             logits = model.compute_logits(hidden)
             nxt = logits.argmax(dim=-1).tolist()
+            self._forward_s += time.perf_counter() - tf
             self.timing["draft_forwards"] += 1
             self.timing["draft_rows"] += n
             for j, i in enumerate(live):

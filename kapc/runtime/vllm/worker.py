@@ -29,3 +29,12 @@ class KapWorkerExtension:
         if p._runner is not None:
             p._prune(p._runner)
         return p.stats(pop=pop)
+
+    def kapc_step_log(self, pop: bool = True) -> list[tuple]:
+        """Per engine step: (entered, left, rows, drafting rows, draft forwards) of the proposer's
+        call; `kapc.runtime.vllm.calibrate` turns them into step times."""
+        p = self._kapc_proposer()
+        out = list(p.step_log)
+        if pop:
+            p.step_log.clear()
+        return out

@@ -1,0 +1,205 @@
+"""Calibration profiles: step times measured on one engine and machine, and the models fitted to
+them, so the compiler can predict what a plan costs where it will run (issue 13; DESIGN.md says
+why the memory-bound model cannot: on a CPU a verification of k+1 tokens costs 1.5 to 2.3 plain
+steps, not one).
+
+A profile holds the measured samples and, per kind of step, a small linear model of its time:
+
+    plain   a step of the engine users would otherwise run, 1 query token per row    1, B, B*V
+    resting a step of kapc's engine with no drafts (a plan that fell back)            1, B, B*V
+    draft   one draft forward, 1 query token per row over V visible tokens            1, B, B*V
+    propose the proposer's own work per step besides its forwards (metadata, Python)   1, B
+    verify  one verification step, q = k+1 query tokens per row over V tokens         1, B, B*q, B*V, B*q*V
+
+with B the batch (rows), V the tokens each row attends to and q its query tokens. The features
+are what a decode step does (a fixed cost, per-row work, per-token MLP work, reading KV, and
+attention compute per query token); coefficients are fitted non-negative on relative error, so
+interpolating between measured points stays sensible. `kapc calibrate` writes profiles,
+`kapc calibrate --show` prints them, and `kapc.policy` turns them into predicted speedups.
+
+Acceptance is a property of the model, the plan and the acceptance rule, not the engine: per rule,
+`AcceptanceFit` maps a plan's retained ratio s to p, the probability that a draft is accepted
+given its predecessor was, measured on a calibration split of HotpotQA (logit p = a + b log s).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+from kapc.errors import KapcError
+
+PROFILE_VERSION = 1
+StepKind = Literal["plain", "resting", "draft", "verify"]
+FEATURES: dict[str, tuple[str, ...]] = {
+    "plain": ("1", "B", "BV"),
+    "resting": ("1", "B", "BV"),
+    "draft": ("1", "B", "BV"),
+    "propose": ("1", "B"),
+    "verify": ("1", "B", "Bq", "BV", "BqV"),
+}
+
+
+class ProfileError(KapcError):
+    """A profile that cannot be found, read or used."""
+
+
+class StepSample(msgspec.Struct, frozen=True, array_like=True):
+    kind: str  # a StepKind
+    batch: int  # rows in the step
+    query: int  # query tokens per row
+    visible: int  # tokens each row attends to (the context for plain/verify, s*L for a draft)
+    seconds: float  # mean time of one such step
+
+
+class StepFit(msgspec.Struct, frozen=True, kw_only=True):
+    features: tuple[str, ...]
+    coef: tuple[float, ...]
+    rel_error: float  # root-mean-square relative error on the samples it was fitted to
+    samples: int
+
+
+class AcceptanceFit(msgspec.Struct, frozen=True, kw_only=True):
+    a: float
+    b: float  # logit p = a + b * log(s)
+    points: tuple[tuple[float, float, int], ...] = ()  # (s, measured p, drafts behind it)
+
+    def p(self, s: float) -> float:
+        z = self.a + self.b * math.log(max(s, 1e-4))
+        return 1.0 / (1.0 + math.exp(-z))
+
+
+class Profile(msgspec.Struct, frozen=True, kw_only=True):
+    version: int = PROFILE_VERSION
+    engine: str  # "vllm" or "reference"
+    engine_version: str
+    model: str
+    model_fingerprint: str
+    dtype: str
+    device: str
+    threads: int
+    block_size: int
+    created: str
+    samples: tuple[StepSample, ...] = ()
+    fits: dict[str, StepFit] = {}
+    acceptance: dict[str, AcceptanceFit] = {}  # by acceptance rule: "greedy", "top3", ...
+    note: str = ""
+
+    @property
+    def key(self) -> str:
+        return profile_key(self.engine, self.model_fingerprint, self.dtype, self.device,
+                           self.threads)
+
+    def seconds(self, kind: str, batch: int, visible: float, query: int = 1) -> float:
+        """The fitted time of one step of `kind`."""
+        fit = self.fits.get(kind)
+        if fit is None:
+            raise ProfileError(f"profile {self.key} has no {kind!r} step model; recalibrate")
+        x = _features(fit.features, batch, query, visible)
+        return float(np.dot(x, fit.coef))
+
+
+def profile_key(engine: str, fingerprint: str, dtype: str, device: str, threads: int) -> str:
+    return f"{engine}-{fingerprint.removeprefix('sha256:')[:12]}-{dtype}-{device}-t{threads}"
+
+
+def profiles_dir() -> Path:
+    from kapc.models import cache_root
+
+    return cache_root() / "profiles"
+
+
+def _features(names, batch: float, query: float, visible: float) -> np.ndarray:
+    values = {"1": 1.0, "B": batch, "Bq": batch * query, "BV": batch * visible,
+              "BqV": batch * query * visible}
+    return np.array([values[n] for n in names], dtype=np.float64)
+
+
+def fit_steps(samples: list[StepSample]) -> dict[str, StepFit]:
+    """One non-negative least-squares model per step kind, on relative error."""
+    from scipy.optimize import nnls
+
+    fits = {}
+    for kind, names in FEATURES.items():
+        rows = [s for s in samples if s.kind == kind and s.seconds > 0]
+        if len(rows) < len(names):
+            continue
+        X = np.stack([_features(names, s.batch, s.query, s.visible) for s in rows])
+        y = np.array([s.seconds for s in rows])
+        # scale the columns so that nnls sees comparable magnitudes, fit y/y = 1
+        scale = X.max(axis=0)
+        scale[scale == 0] = 1.0
+        coef, _ = nnls((X / scale) / y[:, None], np.ones_like(y))
+        coef = coef / scale
+        rel = float(np.sqrt(np.mean(((X @ coef) - y) ** 2 / y ** 2)))
+        fits[kind] = StepFit(features=names, coef=tuple(float(c) for c in coef), rel_error=rel,
+                             samples=len(rows))
+    return fits
+
+
+def fit_acceptance(points: list[tuple[float, float, int]]) -> AcceptanceFit | None:
+    """logit p = a + b log s, weighted by the drafts behind each point."""
+    pts = [(s, p, n) for s, p, n in points if 0 < s <= 1 and n > 0]
+    if len({round(s, 3) for s, _, _ in pts}) < 2:
+        return None
+    eps = 1e-3
+    x = np.array([math.log(s) for s, _, _ in pts])
+    z = np.array([math.log(min(max(p, eps), 1 - eps) / (1 - min(max(p, eps), 1 - eps)))
+                  for _, p, _ in pts])
+    w = np.sqrt(np.array([n for _, _, n in pts], dtype=np.float64))
+    A = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
+    (a, b), *_ = np.linalg.lstsq(A, z * w, rcond=None)
+    return AcceptanceFit(a=float(a), b=float(b), points=tuple((float(s), float(p), int(n))
+                                                               for s, p, n in pts))
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(Profile)
+
+
+def save_profile(profile: Profile, path: str | Path | None = None) -> Path:
+    from kapc.files import write_output
+
+    path = Path(path) if path else profiles_dir() / f"{profile.key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_output(path, msgspec.json.format(_encoder.encode(profile), indent=1), "profile")
+    return path
+
+
+def load_profile(path: str | Path) -> Profile:
+    from kapc.files import read_input
+
+    try:
+        profile = _decoder.decode(read_input(path, "profile"))
+    except msgspec.DecodeError as exc:
+        raise ProfileError(f"{path}: not a kapc profile: {exc}") from None
+    if profile.version != PROFILE_VERSION:
+        raise ProfileError(f"{path}: profile version {profile.version}, this kapc reads "
+                           f"{PROFILE_VERSION}; run kapc calibrate again")
+    return profile
+
+
+def find_profile(engine: str, fingerprint: str) -> Profile | None:
+    """The newest profile of `engine` for this model, if any was calibrated on this machine."""
+    folder = profiles_dir()
+    if not folder.is_dir():
+        return None
+    found = []
+    for f in folder.glob(f"{engine}-{fingerprint.removeprefix('sha256:')[:12]}-*.json"):
+        try:
+            p = load_profile(f)
+        except KapcError:
+            continue
+        if p.model_fingerprint == fingerprint and p.engine == engine:
+            found.append((os.path.getmtime(f), p))
+    return max(found, key=lambda t: t[0])[1] if found else None

@@ -1,0 +1,374 @@
+"""`kapc calibrate`: measure, on this machine, what each kind of decode step costs an engine, fit a
+small model of it (`kapc.profile`), and save a profile the compiler predicts plans with.
+
+The grid: context lengths L x batch sizes B, at each a plain step of the engine users would
+otherwise run, a step of kapc's engine with no drafts (`resting`), and for each (s, q) pair one
+run of synthetic plans that keep s of the prompt and verify q = k+1 tokens, which yields the
+draft forward, the proposer's overhead and the verification step. Every row of a batch decodes
+the same prompt (a prefix of one long HotpotQA prompt), so one prefill per engine serves every
+point; the KV each row reads is its own per step, as in any batch. Then, on a calibration split
+of HotpotQA (dev questions 1000 and on, never the ones benchmarks report), real compiled plans at
+several budgets measure the per-draft acceptance p against s (`AcceptanceFit`).
+
+Each point is appended to `<profiles>/<key>.partial.jsonl` as it is measured, so an interrupted
+run resumes where it stopped. Engines are in `Bench` classes: `kapc.runtime.vllm.calibrate.
+VllmBench` and `ReferenceBench` here.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kapc.profile import (Profile, StepSample, fit_acceptance, fit_steps, now, profile_key,
+                          profiles_dir, save_profile)
+
+CALIBRATION_QUESTIONS = 1000  # first HotpotQA dev index of the calibration split
+
+
+@dataclass
+class Grid:
+    contexts: tuple[int, ...] = (2048, 4096, 7936)
+    batches: tuple[int, ...] = (1, 4, 8, 16)
+    pairs: tuple[tuple[float, int], ...] = ((0.05, 2), (0.1, 3), (0.2, 5), (0.4, 8))
+    steps: int = 16  # decode steps (or cycles) timed per point
+    acceptance_questions: int = 4
+    acceptance_context: int = 4096
+    budgets: tuple[float, ...] = (0.05, 0.1, 0.2, 0.35)
+    acceptance_tokens: int = 96
+    rules: tuple[str, ...] = ("greedy", "top3")
+
+    def points(self) -> list[tuple]:
+        """Every measurement, grouped so that each engine starts once: plain steps on the
+        baseline engine, then kapc's engine (resting steps and cycles), longest context first
+        (its prefill puts every shorter prefix in the cache)."""
+        pts = []
+        for L in sorted(self.contexts, reverse=True):
+            for B in self.batches:
+                pts.append(("plain", L, B, 0.0, 1))
+        for L in sorted(self.contexts, reverse=True):
+            for B in self.batches:
+                pts.append(("resting", L, B, 0.0, 1))
+                for s, q in self.pairs:
+                    pts.append(("cycle", L, B, s, q))
+        if self.acceptance_questions:
+            pts.append(("acceptance", self.acceptance_context, len(self.budgets), 0.0, 0))
+        return pts
+
+
+@dataclass
+class CycleTimes:
+    draft: float  # one draft forward
+    propose: float  # the proposer's own work per step, besides forwards
+    verify: float  # one verification step
+
+
+@dataclass
+class Partial:
+    """Points measured so far, on disk as JSON lines."""
+
+    path: Path
+    done: dict = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, path: Path, resume: bool) -> "Partial":
+        part = cls(path)
+        if resume and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue  # a line cut short by an interruption
+                part.done[tuple(rec["point"])] = rec
+        elif path.exists():
+            path.unlink()
+        return part
+
+    def add(self, point: tuple, samples: list[StepSample], extra: dict | None = None) -> None:
+        rec = {"point": list(point),
+               "samples": [[s.kind, s.batch, s.query, s.visible, s.seconds] for s in samples],
+               **(extra or {})}
+        self.done[tuple(point)] = rec
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def samples(self) -> list[StepSample]:
+        return [StepSample(*s) for rec in self.done.values() for s in rec["samples"]]
+
+    def acceptance_points(self) -> dict[str, list[tuple[float, float, int]]]:
+        out: dict[str, list] = {}
+        for rec in self.done.values():
+            for rule, pts in rec.get("acceptance", {}).items():
+                out.setdefault(rule, []).extend(tuple(p) for p in pts)
+        return out
+
+
+def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
+              out: str | Path | None = None) -> tuple[Profile, Path]:
+    """Measure `grid` on `bench`, fit, save; returns the profile and where it was written."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    key = profile_key(bench.engine, bench.fingerprint, bench.dtype, bench.device, bench.threads)
+    part = Partial.open(profiles_dir() / f"{key}.partial.jsonl", resume)
+    todo = [p for p in grid.points() if tuple(p) not in part.done]
+    console = Console(stderr=True)
+    if len(todo) < len(grid.points()):
+        console.print(f"kapc calibrate: resuming {key}: {len(grid.points()) - len(todo)} of "
+                      f"{len(grid.points())} points already measured")
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
+               "{task.total}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, disable=not progress) as bar:
+        task = bar.add_task("calibrating", total=len(todo))
+        for point in todo:
+            kind, L, B, s, q = point
+            bar.update(task, description=f"{kind} L={L} B={B}" + (f" s={s} q={q}" if q > 1 else ""))
+            t0 = time.perf_counter()
+            extra = None
+            if kind == "plain":
+                samples = [StepSample("plain", B, 1, L, bench.plain(L, B, grid.steps))]
+            elif kind == "resting":
+                samples = [StepSample("resting", B, 1, L, bench.resting(L, B, grid.steps))]
+            elif kind == "cycle":
+                c = bench.cycle(L, B, s, q, grid.steps)
+                visible = max(1, round(s * L))
+                samples = [StepSample("draft", B, 1, visible, c.draft),
+                           StepSample("propose", B, 1, L, c.propose),
+                           StepSample("verify", B, q, L, c.verify)]
+            else:
+                samples = []
+                extra = {"acceptance": bench.acceptance(grid)}
+            part.add(point, samples, extra)
+            bar.console.print(f"  {kind:10} L={L:<5} B={B:<3}" + (f" s={s:<5} q={q}" if kind == "cycle" else "")
+                              + "  " + ", ".join(f"{x.kind} {x.seconds * 1000:.1f} ms" for x in samples)
+                              + (f"  acceptance {extra['acceptance']}" if extra else "")
+                              + f"  ({time.perf_counter() - t0:.0f}s)")
+            bar.advance(task)
+    bench.close()
+    samples = part.samples()
+    profile = Profile(engine=bench.engine, engine_version=bench.engine_version, model=bench.model,
+                      model_fingerprint=bench.fingerprint, dtype=bench.dtype, device=bench.device,
+                      threads=bench.threads, block_size=bench.block_size, created=now(),
+                      samples=tuple(samples), fits=fit_steps(samples),
+                      acceptance={rule: fit for rule, pts in part.acceptance_points().items()
+                                  if (fit := fit_acceptance(pts)) is not None},
+                      note=bench.note)
+    path = save_profile(profile, out)
+    part.path.unlink(missing_ok=True)
+    return profile, path
+
+
+def median_step(deltas: list[float]) -> float:
+    """The median of per-step times, the first two dropped (the step that finishes the prompt's
+    uncached tail, and the first full step)."""
+    xs = deltas[2:] if len(deltas) > 4 else deltas
+    return statistics.median(xs) if xs else float("nan")
+
+
+def cycle_times(log: list[tuple], rows: int, q: int) -> CycleTimes:
+    """Step times from the proposer's step log (see KapProposer.step_log) of a run in which all
+    `rows` rows draft q-1 tokens per step: a step's verification is the time from the previous
+    call's exit to this call's entry, when the previous call drafted q-1 tokens for every row."""
+    verify, draft, propose = [], [], []
+    for prev, cur in zip(log, log[1:]):
+        if prev[3] == rows and prev[4] == q - 1:
+            verify.append(cur[0] - prev[1])
+    for rec in log:
+        if rec[3] == rows and rec[4] == q - 1 and q > 1:
+            draft.append(rec[5] / (q - 1))
+            propose.append(rec[1] - rec[0] - rec[5])
+    return CycleTimes(draft=median_step(draft), propose=median_step(propose),
+                      verify=median_step(verify))
+
+
+def acceptance_points(results: list[dict], k: int) -> list[tuple[float, float, int]]:
+    """(s, p, tries) per request: p = accepted drafts at positions 1..k over the drafts tried
+    there (a draft is tried only when every earlier one was accepted)."""
+    pts = []
+    for r in results:
+        per_pos = r.get("accepted_per_pos") or []
+        cycles = r["proposed"] / k if k else 0
+        tried = cycles + sum(per_pos[:-1])
+        if tried > 0 and r.get("retained_ratio"):
+            pts.append((float(r["retained_ratio"]), sum(per_pos) / tried, int(tried)))
+    return pts
+
+
+def build_acceptance_cases(grid: Grid, block_size: int, k: int) -> list[tuple[list[int], list[bytes]]]:
+    """Prompt ids and plan bytes (one per budget) for the calibration split. Runs the frontend:
+    call it in a child process before starting an in-process vLLM engine."""
+    from kapc.compiler import compile_to_kapb
+    from kapc.frontend.hybrid import hotpotqa_prior
+    from kapc.lower.kapb import decode_plan
+    from kapc.passes import CompileContext
+
+    ctx = CompileContext()
+    cases = []
+    for i in range(CALIBRATION_QUESTIONS, CALIBRATION_QUESTIONS + grid.acceptance_questions):
+        prior = hotpotqa_prior(i, context_tokens=grid.acceptance_context)
+        plans = [compile_to_kapb(prior, f"ground,align-spans,select{{budget-ratio={b}}},"
+                                 f"resolve-pages{{block-size={block_size}}},"
+                                 f"compact{{k={k},profile=none}}", ctx) for b in grid.budgets]
+        ids = [int(t) for t in decode_plan(plans[0]).prompt_token_ids]
+        cases.append((ids, plans))
+    return cases
+
+
+def timing_prompt(tokens: int) -> list[int]:
+    """One long real HotpotQA prompt (dev question 5 padded with hard negatives), of which each
+    context length takes a prefix."""
+    from transformers import AutoTokenizer
+
+    from kapc.models import ensure_default_model
+    from kapc.runtime.prompts import build_prompt
+
+    tok = AutoTokenizer.from_pretrained(str(ensure_default_model(weights=True)))
+    ids = build_prompt(tok, 5, target_tokens=tokens + 256).token_ids
+    if len(ids) < tokens:
+        raise RuntimeError(f"the timing prompt has {len(ids)} tokens, fewer than {tokens}")
+    return ids[:tokens]
+
+
+class ReferenceBench:
+    """The reference executor (PyTorch over its paged KV cache)."""
+
+    engine = "reference"
+    engine_version = "kapc"
+
+    def __init__(self, block_size: int = 16, threads: int | None = None, device: str = "cpu",
+                 dtype: str | None = None, max_context: int = 8192):
+        import torch
+
+        from kapc.runtime.model import load_model
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.m = load_model(device=device, dtype=getattr(torch, dtype) if dtype else None)
+        self.block_size = block_size
+        self.model, self.fingerprint = self.m.name, self.m.fingerprint
+        self.dtype = str(self.m.dtype).removeprefix("torch.")
+        self.device = str(self.m.device)
+        self.threads = torch.get_num_threads()
+        self.note = ""
+        self._ids = None
+        self._max_context = max_context
+        self._ex = None
+
+    def _executor(self):
+        from kapc.runtime.executor import Executor
+
+        if self._ex is None:
+            self._ex = Executor(self.m, block_size=self.block_size, kv_cache_gib=4.0,
+                                prefix_cache=True, honor_predicted_loss=False)
+        return self._ex
+
+    def _prompt(self, L: int) -> list[int]:
+        if self._ids is None:
+            self._ids = timing_prompt(self._max_context)
+        return self._ids[:L]
+
+    def plain(self, L: int, B: int, steps: int) -> float:
+        from kapc.runtime.executor import Request
+
+        ex = self._executor()
+        ids = self._prompt(L)
+        ex.generate([Request(ids, max_tokens=1)])
+        _, stats = ex.generate([Request(ids, max_tokens=steps + 1, ignore_eos=True)
+                                for _ in range(B)])
+        return stats.verify_s / max(1, stats.verify_forwards)
+
+    def resting(self, L: int, B: int, steps: int) -> float:
+        return self.plain(L, B, steps)  # the executor has one decode path with or without plans
+
+    def cycle(self, L: int, B: int, s: float, q: int, steps: int) -> CycleTimes:
+        from kapc.lower.kapb import FallbackPolicy
+        from kapc.runtime.executor import Request
+        from kapc.runtime.planning import plan_from_blocks, spread_blocks
+
+        ex = self._executor()
+        ids = self._prompt(L)
+        plan = plan_from_blocks(self.m, ids, spread_blocks(L, self.block_size, s),
+                                block_size=self.block_size, k=q - 1, pays=True,
+                                fallback=FallbackPolicy(min_acceptance=0.0, max_retained=1.0))
+        _, st = ex.generate([Request(ids, plan=plan, max_tokens=steps * q, ignore_eos=True)
+                             for _ in range(B)])
+        return CycleTimes(draft=st.proposal_s / max(1, st.draft_forwards), propose=0.0,
+                          verify=st.verify_s / max(1, st.verify_forwards))
+
+    def acceptance(self, grid: Grid) -> dict[str, list[tuple[float, float, int]]]:
+        from kapc.lower.kapb import decode_plan
+        from kapc.runtime.executor import Request
+
+        k = 4
+        ex = self._executor()
+        pts: dict[str, list] = {rule: [] for rule in grid.rules}
+        for ids, plans in build_acceptance_cases(grid, self.block_size, k):
+            for rule in grid.rules:
+                res, _ = ex.generate([Request(ids, plan=decode_plan(p), accept=rule,
+                                              max_tokens=grid.acceptance_tokens, ignore_eos=True)
+                                      for p in plans])
+                pts[rule] += acceptance_points(
+                    [{"proposed": r.proposed, "retained_ratio": r.retained_ratio,
+                      "accepted_per_pos": r.accepted_per_pos} for r in res], k)
+        return pts
+
+    def close(self) -> None:
+        self._ex = None
+
+
+def show(profile: Profile) -> str:
+    """A readable summary of a profile: what was measured, and how well the fits match."""
+    lines = [f"profile {profile.key}  ({profile.engine} {profile.engine_version}, {profile.model}, "
+             f"{profile.dtype} on {profile.device}, {profile.threads} threads, block size "
+             f"{profile.block_size}, {profile.created})"]
+    if profile.note:
+        lines.append(f"  note: {profile.note}")
+    for kind, fit in profile.fits.items():
+        terms = " + ".join(f"{c * 1e3:.4g}ms*{f}" if f != "1" else f"{c * 1e3:.4g}ms"
+                           for f, c in zip(fit.features, fit.coef) if c > 0)
+        lines.append(f"  {kind:8} {fit.samples:3d} samples, rms rel. error {fit.rel_error:.1%}: "
+                     f"{terms or '0'}")
+    lines.append(f"  {'kind':8} {'B':>3} {'q':>2} {'visible':>7} {'measured':>10} {'fitted':>10}")
+    for smp in profile.samples:
+        fitted = profile.seconds(smp.kind, smp.batch, smp.visible, smp.query) \
+            if smp.kind in profile.fits else float("nan")
+        lines.append(f"  {smp.kind:8} {smp.batch:>3} {smp.query:>2} {smp.visible:>7} "
+                     f"{smp.seconds * 1e3:>8.1f}ms {fitted * 1e3:>8.1f}ms")
+    for rule, a in profile.acceptance.items():
+        pts = ", ".join(f"s={s:.3f}: p={p:.2f} ({n})" for s, p, n in a.points)
+        lines.append(f"  acceptance {rule}: logit p = {a.a:.3f} + {a.b:.3f} log s; "
+                     f"p(0.1) = {a.p(0.1):.2f}; measured {pts}")
+    return "\n".join(lines)
+
+
+def plot(profile: Profile, path: str | Path) -> Path:
+    """Measured against fitted step times, one panel per step kind, with the y = x line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = [k for k in ("plain", "resting", "draft", "propose", "verify") if k in profile.fits]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(3.2 * len(kinds), 3.2), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        pts = [(s.seconds * 1e3, profile.seconds(kind, s.batch, s.visible, s.query) * 1e3, s.batch)
+               for s in profile.samples if s.kind == kind]
+        m, f, b = (np.array(x) for x in zip(*pts))
+        sc = ax.scatter(m, f, c=np.log2(b), cmap="viridis", s=18)
+        hi = max(m.max(), f.max()) * 1.05
+        ax.plot([0, hi], [0, hi], color="grey", lw=0.8)
+        ax.set_title(f"{kind} (rms {profile.fits[kind].rel_error:.0%})", fontsize=9)
+        ax.set_xlabel("measured ms")
+        ax.set_ylabel("fitted ms")
+    fig.colorbar(sc, ax=axes[0].tolist(), label="log2 batch")
+    fig.suptitle(f"{profile.key}", fontsize=9)
+    path = Path(path)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path

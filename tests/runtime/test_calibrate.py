@@ -1,0 +1,80 @@
+"""`kapc calibrate` on the reference executor, on a tiny grid: a well-formed profile (every step
+kind fitted, acceptance fitted from real compiled plans), a summary and a plot, and a resumed run
+that measures only what is missing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kapc.profile import load_profile, profile_key, profiles_dir
+from kapc.runtime.calibrate import Grid, ReferenceBench, calibrate, cycle_times, plot, show
+
+pytestmark = pytest.mark.model
+
+TINY = Grid(contexts=(256, 512), batches=(1, 2), pairs=((0.25, 2), (0.5, 3)), steps=3,
+            acceptance_questions=1, acceptance_context=1024, budgets=(0.15, 0.5),
+            acceptance_tokens=12, rules=("greedy",))
+
+
+class Counting:
+    """The bench, counting the measurements it is asked for."""
+
+    def __init__(self, bench):
+        self.bench, self.calls = bench, 0
+
+    def __getattr__(self, name):
+        attr = getattr(self.bench, name)
+        if name in ("plain", "resting", "cycle", "acceptance"):
+            def counted(*a, **kw):
+                self.calls += 1
+                return attr(*a, **kw)
+            return counted
+        return attr
+
+
+def test_tiny_calibration_gives_a_well_formed_profile(tmp_path):
+    bench = Counting(ReferenceBench(block_size=16, max_context=1024))
+    profile, path = calibrate(bench, TINY, resume=False, progress=False, out=tmp_path / "p.json")
+    assert bench.calls == len(TINY.points())
+    assert load_profile(path) == profile
+    assert set(profile.fits) >= {"plain", "resting", "draft", "verify"}
+    for fit in profile.fits.values():
+        assert all(c >= 0 for c in fit.coef) and fit.samples >= len(fit.features)
+    for kind in ("plain", "draft"):
+        assert profile.seconds(kind, 2, 512) > 0
+    assert profile.seconds("verify", 2, 512, query=3) > 0
+    kinds = [s.kind for s in profile.samples]
+    assert kinds.count("plain") == 4 and kinds.count("verify") == 8
+    fit = profile.acceptance["greedy"]
+    assert len(fit.points) == len(TINY.budgets) and 0.0 < fit.p(0.3) < 1.0
+    assert profile.key == profile_key("reference", profile.model_fingerprint, profile.dtype,
+                                      profile.device, profile.threads)
+    assert not (profiles_dir() / f"{profile.key}.partial.jsonl").exists()  # done: no partial
+    text = show(profile)
+    assert "plain" in text and "acceptance greedy" in text
+    png = plot(profile, tmp_path / "p.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # resume: with every point already in the partial file, nothing is measured again
+    partial = profiles_dir() / f"{profile.key}.partial.jsonl"
+    with open(partial, "w") as f:
+        for point in TINY.points():
+            f.write(json.dumps({"point": list(point), "samples": []}) + "\n")
+    again = Counting(bench.bench)
+    calibrate(again, TINY, resume=True, progress=False, out=tmp_path / "again.json")
+    assert again.calls == 0
+
+
+def test_cycle_times_read_the_proposer_step_log():
+    # (entered, left, rows, drafting rows, draft forwards, forward seconds): steps of 2 rows,
+    # each call drafting 2 tokens per row in 0.2 s of forwards and 0.05 s of its own work,
+    # each verification taking 0.5 s between calls
+    log, t = [], 0.0
+    for _ in range(8):
+        log.append((t, t + 0.25, 2, 2, 2, 0.2))
+        t += 0.25 + 0.5
+    c = cycle_times(log, rows=2, q=3)
+    assert c.verify == pytest.approx(0.5) and c.draft == pytest.approx(0.1)
+    assert c.propose == pytest.approx(0.05)
