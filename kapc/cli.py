@@ -281,13 +281,12 @@ def calibrate(
     if engine == "reference":
         from kapc.runtime.calibrate import ReferenceBench
 
-        bench = ReferenceBench(block_size=block_size or 16,
-                               max_context=max(grid.contexts + (grid.acceptance_context,)))
+        bench = ReferenceBench(block_size=block_size or 16, max_context=grid.longest,
+                               max_batch=max(grid.batches))
     elif engine in ("vllm", "vllm-cpu", "vllm-gpu"):
         from kapc.runtime.vllm.calibrate import VllmBench
 
-        bench = VllmBench(block_size=block_size or 32,
-                          max_context=max(grid.contexts + (grid.acceptance_context,)),
+        bench = VllmBench(block_size=block_size or 32, max_context=grid.longest,
                           max_batch=max(grid.batches + (len(grid.budgets),)))
     else:
         raise KapcError(f"--engine must be vllm or reference, not {engine!r}")

@@ -67,11 +67,12 @@ class StepFit(msgspec.Struct, frozen=True, kw_only=True):
 
 class AcceptanceFit(msgspec.Struct, frozen=True, kw_only=True):
     a: float
-    b: float  # logit p = a + b * log(s)
-    points: tuple[tuple[float, float, int], ...] = ()  # (s, measured p, drafts behind it)
+    b: float  # logit p = a + b log(s) + c log(L / 4096)
+    c: float = 0.0
+    points: tuple[tuple[float, int, float, int], ...] = ()  # (s, context, measured p, drafts tried)
 
-    def p(self, s: float) -> float:
-        z = self.a + self.b * math.log(max(s, 1e-4))
+    def p(self, s: float, context: int = 4096) -> float:
+        z = self.a + self.b * math.log(max(s, 1e-4)) + self.c * math.log(max(context, 1) / 4096)
         return 1.0 / (1.0 + math.exp(-z))
 
 
@@ -143,20 +144,25 @@ def fit_steps(samples: list[StepSample]) -> dict[str, StepFit]:
     return fits
 
 
-def fit_acceptance(points: list[tuple[float, float, int]]) -> AcceptanceFit | None:
-    """logit p = a + b log s, weighted by the drafts behind each point."""
-    pts = [(s, p, n) for s, p, n in points if 0 < s <= 1 and n > 0]
-    if len({round(s, 3) for s, _, _ in pts}) < 2:
+def fit_acceptance(points: list[tuple[float, int, float, int]]) -> AcceptanceFit | None:
+    """logit p = a + b log s + c log(L/4096), weighted by the drafts behind each (s, L, p, n)
+    point; c only when more than one context length was measured."""
+    pts = [(s, L, p, n) for s, L, p, n in points if 0 < s <= 1 and n > 0 and L > 0]
+    if len({round(s, 3) for s, _, _, _ in pts}) < 2:
         return None
     eps = 1e-3
-    x = np.array([math.log(s) for s, _, _ in pts])
-    z = np.array([math.log(min(max(p, eps), 1 - eps) / (1 - min(max(p, eps), 1 - eps)))
-                  for _, p, _ in pts])
-    w = np.sqrt(np.array([n for _, _, n in pts], dtype=np.float64))
-    A = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
-    (a, b), *_ = np.linalg.lstsq(A, z * w, rcond=None)
-    return AcceptanceFit(a=float(a), b=float(b), points=tuple((float(s), float(p), int(n))
-                                                               for s, p, n in pts))
+    logit = [math.log(min(max(p, eps), 1 - eps) / (1 - min(max(p, eps), 1 - eps)))
+             for _, _, p, _ in pts]
+    cols = [np.ones(len(pts)), np.array([math.log(s) for s, _, _, _ in pts])]
+    with_l = len({L for _, L, _, _ in pts}) > 1
+    if with_l:
+        cols.append(np.array([math.log(L / 4096) for _, L, _, _ in pts]))
+    w = np.sqrt(np.array([n for *_, n in pts], dtype=np.float64))
+    A = np.stack(cols, axis=1) * w[:, None]
+    coef, *_ = np.linalg.lstsq(A, np.array(logit) * w, rcond=None)
+    return AcceptanceFit(a=float(coef[0]), b=float(coef[1]),
+                         c=float(coef[2]) if with_l else 0.0,
+                         points=tuple((float(s), int(L), float(p), int(n)) for s, L, p, n in pts))
 
 
 def now() -> str:

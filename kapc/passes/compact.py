@@ -76,7 +76,7 @@ class Compact(Pass):
         s = pages.retained
         profile = self._profile(ctx, target.fingerprint)
         fit = profile.acceptance.get(self.accept) if profile is not None else None
-        p = fit.p(s) if fit is not None else self.expect_acceptance
+        p = fit.p(s, n) if fit is not None else self.expect_acceptance
         pred = predict(s=s, p=p, k=None if self.k == "auto" else self.k, batch=self.batch,
                        context=n, profile=profile, weight_bytes=weights, kv_bytes=kv)
         speedup = round(pred.speedup, 4)

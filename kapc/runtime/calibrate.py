@@ -4,11 +4,13 @@ small model of it (`kapc.profile`), and save a profile the compiler predicts pla
 The grid: context lengths L x batch sizes B, at each a plain step of the engine users would
 otherwise run, a step of kapc's engine with no drafts (`resting`), and for each (s, q) pair one
 run of synthetic plans that keep s of the prompt and verify q = k+1 tokens, which yields the
-draft forward, the proposer's overhead and the verification step. Every row of a batch decodes
-the same prompt (a prefix of one long HotpotQA prompt), so one prefill per engine serves every
-point; the KV each row reads is its own per step, as in any batch. Then, on a calibration split
-of HotpotQA (dev questions 1000 and on, never the ones benchmarks report), real compiled plans at
-several budgets measure the per-draft acceptance p against s (`AcceptanceFit`).
+draft forward, the proposer's overhead and the verification step. Row r of every batch decodes
+its own long HotpotQA prompt (question 5 + 7r, padded with hard negatives), cut to L tokens: rows
+never share KV (a first measurement with one prompt shared by every row made an 8K step look
+2.4x cheaper than real batches are), and since every L is a prefix of the longest, one prefill of
+each prompt per engine serves every point. Then, on a calibration split of HotpotQA (dev
+questions 1000 and on, never the ones benchmarks report), real compiled plans at several budgets
+and context lengths measure the per-draft acceptance p against s and L (`AcceptanceFit`).
 
 Each point is appended to `<profiles>/<key>.partial.jsonl` as it is measured, so an interrupted
 run resumes where it stopped. Engines are in `Bench` classes: `kapc.runtime.vllm.calibrate.
@@ -38,7 +40,7 @@ class Grid:
     pairs: tuple[tuple[float, int], ...] = ((0.05, 2), (0.1, 3), (0.2, 5), (0.4, 8))
     steps: int = 16  # decode steps (or cycles) timed per point
     acceptance_questions: int = 4
-    acceptance_context: int = 4096
+    acceptance_contexts: tuple[int, ...] = (4096, 7936)
     budgets: tuple[float, ...] = (0.05, 0.1, 0.2, 0.35)
     acceptance_tokens: int = 96
     rules: tuple[str, ...] = ("greedy", "top3")
@@ -57,8 +59,13 @@ class Grid:
                 for s, q in self.pairs:
                     pts.append(("cycle", L, B, s, q))
         if self.acceptance_questions:
-            pts.append(("acceptance", self.acceptance_context, len(self.budgets), 0.0, 0))
+            for L in self.acceptance_contexts:
+                pts.append(("acceptance", L, len(self.budgets), 0.0, 0))
         return pts
+
+    @property
+    def longest(self) -> int:
+        return max(self.contexts + (self.acceptance_contexts if self.acceptance_questions else ()))
 
 
 @dataclass
@@ -101,7 +108,7 @@ class Partial:
     def samples(self) -> list[StepSample]:
         return [StepSample(*s) for rec in self.done.values() for s in rec["samples"]]
 
-    def acceptance_points(self) -> dict[str, list[tuple[float, float, int]]]:
+    def acceptance_points(self) -> dict[str, list[tuple[float, int, float, int]]]:
         out: dict[str, list] = {}
         for rec in self.done.values():
             for rule, pts in rec.get("acceptance", {}).items():
@@ -143,7 +150,7 @@ def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
                            StepSample("verify", B, q, L, c.verify)]
             else:
                 samples = []
-                extra = {"acceptance": bench.acceptance(grid)}
+                extra = {"acceptance": bench.acceptance(grid, L)}
             part.add(point, samples, extra)
             bar.console.print(f"  {kind:10} L={L:<5} B={B:<3}" + (f" s={s:<5} q={q}" if kind == "cycle" else "")
                               + "  " + ", ".join(f"{x.kind} {x.seconds * 1000:.1f} ms" for x in samples)
@@ -187,22 +194,24 @@ def cycle_times(log: list[tuple], rows: int, q: int) -> CycleTimes:
                       verify=median_step(verify))
 
 
-def acceptance_points(results: list[dict], k: int) -> list[tuple[float, float, int]]:
-    """(s, p, tries) per request: p = accepted drafts at positions 1..k over the drafts tried
-    there (a draft is tried only when every earlier one was accepted)."""
+def acceptance_points(results: list[dict], k: int) -> list[tuple[float, int, float, int]]:
+    """(s, context, p, tries) per request: p = accepted drafts at positions 1..k over the drafts
+    tried there (a draft is tried only when every earlier one was accepted)."""
     pts = []
     for r in results:
         per_pos = r.get("accepted_per_pos") or []
         cycles = r["proposed"] / k if k else 0
         tried = cycles + sum(per_pos[:-1])
         if tried > 0 and r.get("retained_ratio"):
-            pts.append((float(r["retained_ratio"]), sum(per_pos) / tried, int(tried)))
+            pts.append((float(r["retained_ratio"]), int(r["prompt_tokens"]),
+                        sum(per_pos) / tried, int(tried)))
     return pts
 
 
-def build_acceptance_cases(grid: Grid, block_size: int, k: int) -> list[tuple[list[int], list[bytes]]]:
-    """Prompt ids and plan bytes (one per budget) for the calibration split. Runs the frontend:
-    call it in a child process before starting an in-process vLLM engine."""
+def build_acceptance_cases(grid: Grid, context: int, block_size: int,
+                           k: int) -> list[tuple[list[int], list[bytes]]]:
+    """Prompt ids and plan bytes (one per budget) for the calibration split at `context` tokens.
+    Runs the frontend: call it in a child process before starting an in-process vLLM engine."""
     from kapc.compiler import compile_to_kapb
     from kapc.frontend.hybrid import hotpotqa_prior
     from kapc.lower.kapb import decode_plan
@@ -211,7 +220,7 @@ def build_acceptance_cases(grid: Grid, block_size: int, k: int) -> list[tuple[li
     ctx = CompileContext()
     cases = []
     for i in range(CALIBRATION_QUESTIONS, CALIBRATION_QUESTIONS + grid.acceptance_questions):
-        prior = hotpotqa_prior(i, context_tokens=grid.acceptance_context)
+        prior = hotpotqa_prior(i, context_tokens=context)
         plans = [compile_to_kapb(prior, f"ground,align-spans,select{{budget-ratio={b}}},"
                                  f"resolve-pages{{block-size={block_size}}},"
                                  f"compact{{k={k},profile=none}}", ctx) for b in grid.budgets]
@@ -220,19 +229,22 @@ def build_acceptance_cases(grid: Grid, block_size: int, k: int) -> list[tuple[li
     return cases
 
 
-def timing_prompt(tokens: int) -> list[int]:
-    """One long real HotpotQA prompt (dev question 5 padded with hard negatives), of which each
-    context length takes a prefix."""
+def timing_prompts(rows: int, tokens: int) -> list[list[int]]:
+    """`rows` distinct long HotpotQA prompts (dev questions 5, 12, 19, ..., padded with hard
+    negatives), each cut to `tokens`; every context length takes a prefix of each."""
     from transformers import AutoTokenizer
 
     from kapc.models import ensure_default_model
     from kapc.runtime.prompts import build_prompt
 
     tok = AutoTokenizer.from_pretrained(str(ensure_default_model(weights=True)))
-    ids = build_prompt(tok, 5, target_tokens=tokens + 256).token_ids
-    if len(ids) < tokens:
-        raise RuntimeError(f"the timing prompt has {len(ids)} tokens, fewer than {tokens}")
-    return ids[:tokens]
+    out = []
+    for r in range(rows):
+        ids = build_prompt(tok, 5 + 7 * r, target_tokens=tokens + 256).token_ids
+        if len(ids) < tokens:
+            raise RuntimeError(f"timing prompt {r} has {len(ids)} tokens, fewer than {tokens}")
+        out.append(ids[:tokens])
+    return out
 
 
 class ReferenceBench:
@@ -242,7 +254,7 @@ class ReferenceBench:
     engine_version = "kapc"
 
     def __init__(self, block_size: int = 16, threads: int | None = None, device: str = "cpu",
-                 dtype: str | None = None, max_context: int = 8192):
+                 dtype: str | None = None, max_context: int = 8192, max_batch: int = 16):
         import torch
 
         from kapc.runtime.model import load_model
@@ -256,31 +268,33 @@ class ReferenceBench:
         self.device = str(self.m.device)
         self.threads = torch.get_num_threads()
         self.note = ""
-        self._ids = None
-        self._max_context = max_context
+        self._prompts = None
+        self._max_context, self._max_batch = max_context, max_batch
         self._ex = None
 
     def _executor(self):
         from kapc.runtime.executor import Executor
 
         if self._ex is None:
-            self._ex = Executor(self.m, block_size=self.block_size, kv_cache_gib=4.0,
+            need = self._max_batch * (self._max_context + 1024) * self.m.kv_bytes_per_token()
+            self._ex = Executor(self.m, block_size=self.block_size,
+                                kv_cache_gib=max(1.0, 2.5 * need / 2**30),  # rows + prefix cache
                                 prefix_cache=True, honor_predicted_loss=False)
         return self._ex
 
-    def _prompt(self, L: int) -> list[int]:
-        if self._ids is None:
-            self._ids = timing_prompt(self._max_context)
-        return self._ids[:L]
+    def _rows(self, L: int, B: int) -> list[list[int]]:
+        if self._prompts is None:
+            self._prompts = timing_prompts(self._max_batch, self._max_context)
+        return [p[:L] for p in self._prompts[:B]]
 
     def plain(self, L: int, B: int, steps: int) -> float:
         from kapc.runtime.executor import Request
 
         ex = self._executor()
-        ids = self._prompt(L)
-        ex.generate([Request(ids, max_tokens=1)])
+        rows = self._rows(L, B)
+        ex.generate([Request(ids, max_tokens=1) for ids in rows])  # prefill into the prefix cache
         _, stats = ex.generate([Request(ids, max_tokens=steps + 1, ignore_eos=True)
-                                for _ in range(B)])
+                                for ids in rows])
         return stats.verify_s / max(1, stats.verify_forwards)
 
     def resting(self, L: int, B: int, steps: int) -> float:
@@ -292,30 +306,31 @@ class ReferenceBench:
         from kapc.runtime.planning import plan_from_blocks, spread_blocks
 
         ex = self._executor()
-        ids = self._prompt(L)
-        plan = plan_from_blocks(self.m, ids, spread_blocks(L, self.block_size, s),
-                                block_size=self.block_size, k=q - 1, pays=True,
-                                fallback=FallbackPolicy(min_acceptance=0.0, max_retained=1.0))
-        _, st = ex.generate([Request(ids, plan=plan, max_tokens=steps * q, ignore_eos=True)
-                             for _ in range(B)])
+        keep = FallbackPolicy(min_acceptance=0.0, max_retained=1.0)
+        reqs = [Request(ids, plan=plan_from_blocks(self.m, ids, spread_blocks(L, self.block_size, s),
+                                                   block_size=self.block_size, k=q - 1, pays=True,
+                                                   fallback=keep),
+                        max_tokens=steps * q, ignore_eos=True) for ids in self._rows(L, B)]
+        _, st = ex.generate(reqs)
         return CycleTimes(draft=st.proposal_s / max(1, st.draft_forwards), propose=0.0,
                           verify=st.verify_s / max(1, st.verify_forwards))
 
-    def acceptance(self, grid: Grid) -> dict[str, list[tuple[float, float, int]]]:
+    def acceptance(self, grid: Grid, context: int) -> dict[str, list[tuple[float, int, float, int]]]:
         from kapc.lower.kapb import decode_plan
         from kapc.runtime.executor import Request
 
         k = 4
         ex = self._executor()
         pts: dict[str, list] = {rule: [] for rule in grid.rules}
-        for ids, plans in build_acceptance_cases(grid, self.block_size, k):
+        for ids, plans in build_acceptance_cases(grid, context, self.block_size, k):
             for rule in grid.rules:
                 res, _ = ex.generate([Request(ids, plan=decode_plan(p), accept=rule,
                                               max_tokens=grid.acceptance_tokens, ignore_eos=True)
                                       for p in plans])
                 pts[rule] += acceptance_points(
                     [{"proposed": r.proposed, "retained_ratio": r.retained_ratio,
-                      "accepted_per_pos": r.accepted_per_pos} for r in res], k)
+                      "prompt_tokens": r.prompt_tokens, "accepted_per_pos": r.accepted_per_pos}
+                     for r in res], k)
         return pts
 
     def close(self) -> None:
@@ -341,9 +356,10 @@ def show(profile: Profile) -> str:
         lines.append(f"  {smp.kind:8} {smp.batch:>3} {smp.query:>2} {smp.visible:>7} "
                      f"{smp.seconds * 1e3:>8.1f}ms {fitted * 1e3:>8.1f}ms")
     for rule, a in profile.acceptance.items():
-        pts = ", ".join(f"s={s:.3f}: p={p:.2f} ({n})" for s, p, n in a.points)
-        lines.append(f"  acceptance {rule}: logit p = {a.a:.3f} + {a.b:.3f} log s; "
-                     f"p(0.1) = {a.p(0.1):.2f}; measured {pts}")
+        pts = ", ".join(f"s={s:.3f} L={L}: p={p:.2f} ({n})" for s, L, p, n in a.points)
+        lines.append(f"  acceptance {rule}: logit p = {a.a:.3f} + {a.b:.3f} log s + {a.c:.3f} "
+                     f"log(L/4096); p(s=0.1, L=4096) = {a.p(0.1, 4096):.2f}, p(0.1, 8192) = "
+                     f"{a.p(0.1, 8192):.2f}; measured {pts}")
     return "\n".join(lines)
 
 

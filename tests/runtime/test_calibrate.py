@@ -14,7 +14,7 @@ from kapc.runtime.calibrate import Grid, ReferenceBench, calibrate, cycle_times,
 pytestmark = pytest.mark.model
 
 TINY = Grid(contexts=(256, 512), batches=(1, 2), pairs=((0.25, 2), (0.5, 3)), steps=3,
-            acceptance_questions=1, acceptance_context=1024, budgets=(0.15, 0.5),
+            acceptance_questions=1, acceptance_contexts=(1024,), budgets=(0.15, 0.5),
             acceptance_tokens=12, rules=("greedy",))
 
 
@@ -35,7 +35,7 @@ class Counting:
 
 
 def test_tiny_calibration_gives_a_well_formed_profile(tmp_path):
-    bench = Counting(ReferenceBench(block_size=16, max_context=1024))
+    bench = Counting(ReferenceBench(block_size=16, max_context=1024, max_batch=2))
     profile, path = calibrate(bench, TINY, resume=False, progress=False, out=tmp_path / "p.json")
     assert bench.calls == len(TINY.points())
     assert load_profile(path) == profile

@@ -9,7 +9,7 @@ import os
 import time
 
 from kapc.runtime.calibrate import (CycleTimes, Grid, acceptance_points, build_acceptance_cases,
-                                    cycle_times, median_step, timing_prompt)
+                                    cycle_times, median_step, timing_prompts)
 
 K_MAX = 7  # the hook engine is started with k = 7: verification of up to q = 8 tokens
 
@@ -18,7 +18,7 @@ class VllmBench:
     engine_version = ""
 
     def __init__(self, block_size: int = 32, max_context: int = 7936, max_batch: int = 16,
-                 kv_cache_gib: float = 4.0, dtype: str | None = None):
+                 kv_cache_gib: float | None = None, dtype: str | None = None):
         import torch
         import vllm
 
@@ -37,10 +37,13 @@ class VllmBench:
         self.device = "cpu" if self.engine == "vllm-cpu" else "cuda"
         # the in-process engine runs OMP with every core (make_engine(in_process=True))
         self.threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
-        self.max_context, self.max_batch, self.kv_cache_gib = max_context, max_batch, kv_cache_gib
-        self.note = ("every row of a batch decodes the same prompt (shared prompt KV blocks); "
-                     "plans are synthetic selections of s of the prompt")
-        self._ids = None
+        # every row's prompt KV stays cached (one prefill per prompt per engine), plus room to decode
+        kv_per_token = assets.kv_elements_per_token() * 4
+        need = max_batch * (max_context + 1024) * kv_per_token / 2**30
+        self.max_context, self.max_batch = max_context, max_batch
+        self.kv_cache_gib = kv_cache_gib or max(2, int(need * 1.25) + 1)
+        self.note = "rows decode distinct prompts; plans are synthetic selections of s of a prompt"
+        self._prompts = None
         self._eng = None
         self._method = None
         self._warm: set[int] = set()
@@ -54,23 +57,24 @@ class VllmBench:
             self.close()
             self._eng = make_engine(self.model_dir, block_size=self.block_size,
                                     k=K_MAX if method == "kapc" else 4, method=method,
-                                    max_model_len=min(8192, self.max_context + 512),
+                                    max_model_len=min(8192, self.max_context + 256),
                                     max_num_seqs=self.max_batch, kv_cache_gib=self.kv_cache_gib,
                                     in_process=True, dtype=self.dtype)
             self._method = method
             self._warm = set()
         return self._eng
 
-    def _prompt(self, eng, L: int) -> list[int]:
+    def _rows(self, eng, L: int, B: int) -> list[list[int]]:
+        """Row r's prompt cut to L; the first use of L on an engine prefills every row's prompt
+        into its prefix cache (longest first: the shorter are then cache hits)."""
         from kapc.runtime.vllm import generate
 
-        if self._ids is None:
-            self._ids = timing_prompt(self.max_context)
-        ids = self._ids[:L]
-        if L not in self._warm:  # prefill once into the prefix cache, and warm the decode path
-            generate(eng, [ids], None, max_tokens=4, ignore_eos=True)
+        if self._prompts is None:
+            self._prompts = timing_prompts(self.max_batch, self.max_context)
+        if L not in self._warm:
+            generate(eng, [p[:L] for p in self._prompts], None, max_tokens=4, ignore_eos=True)
             self._warm.add(L)
-        return ids
+        return [p[:L] for p in self._prompts[:B]]
 
     def close(self) -> None:
         if self._eng is not None:
@@ -82,11 +86,11 @@ class VllmBench:
         from kapc.runtime.vllm import generate
 
         eng = self._engine("none")
-        ids = self._prompt(eng, L)
+        rows = self._rows(eng, L, B)
         walls = {}
         for n in (4, 4 + steps):
             t0 = time.perf_counter()
-            generate(eng, [ids] * B, None, max_tokens=n, ignore_eos=True)
+            generate(eng, rows, None, max_tokens=n, ignore_eos=True)
             walls[n] = time.perf_counter() - t0
         return (walls[4 + steps] - walls[4]) / steps
 
@@ -97,9 +101,9 @@ class VllmBench:
         from kapc.runtime.vllm import generate
 
         eng = self._engine("kapc")
-        ids = self._prompt(eng, L)
+        rows = self._rows(eng, L, B)
         self._step_log(eng)
-        generate(eng, [ids] * B, None, max_tokens=steps + 4, ignore_eos=True)
+        generate(eng, rows, None, max_tokens=steps + 4, ignore_eos=True)
         log = self._step_log(eng)
         return median_step([b[1] - a[1] for a, b in zip(log, log[1:])])
 
@@ -109,17 +113,17 @@ class VllmBench:
         from kapc.runtime.vllm import generate
 
         eng = self._engine("kapc")
-        ids = self._prompt(eng, L)
-        plan = plan_from_blocks(PlanTarget(self.assets), ids,
-                                spread_blocks(L, self.block_size, s), block_size=self.block_size,
-                                k=q - 1, pays=True,
-                                fallback=FallbackPolicy(min_acceptance=0.0, max_retained=1.0))
+        rows = self._rows(eng, L, B)
+        target, keep = PlanTarget(self.assets), FallbackPolicy(min_acceptance=0.0, max_retained=1.0)
+        plans = [plan_from_blocks(target, ids, spread_blocks(L, self.block_size, s),
+                                  block_size=self.block_size, k=q - 1, pays=True, fallback=keep)
+                 for ids in rows]
         self._step_log(eng)
-        generate(eng, [ids] * B, [plan] * B, max_tokens=steps * q + 4, ignore_eos=True,
+        generate(eng, rows, plans, max_tokens=steps * q + 4, ignore_eos=True,
                  honor_predicted_loss=False, min_acceptance=False, k=q - 1)
         return cycle_times(self._step_log(eng), B, q)
 
-    def acceptance(self, grid: Grid) -> dict[str, list[tuple[float, float, int]]]:
+    def acceptance(self, grid: Grid, context: int) -> dict[str, list[tuple[float, int, float, int]]]:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
@@ -128,14 +132,15 @@ class VllmBench:
         k = 4
         if self._accept_cases is None:
             # the frontend's libraries must not load in a process that runs vLLM in-process
-            # (docs/vllm.md): build the priors and plans in a child
+            # (docs/vllm.md): build the priors and plans in a child, every context at once
             self.close()
             with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-                self._accept_cases = pool.submit(build_acceptance_cases, grid, self.block_size,
-                                                 k).result()
+                self._accept_cases = {L: pool.submit(build_acceptance_cases, grid, L,
+                                                     self.block_size, k).result()
+                                      for L in grid.acceptance_contexts}
         eng = self._engine("kapc")
         pts: dict[str, list] = {rule: [] for rule in grid.rules}
-        for ids, plans in self._accept_cases:
+        for ids, plans in self._accept_cases[context]:
             for rule in grid.rules:
                 res = generate(eng, [ids] * len(plans), plans, max_tokens=grid.acceptance_tokens,
                                ignore_eos=True, honor_predicted_loss=False, min_acceptance=False,

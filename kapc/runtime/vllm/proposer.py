@@ -26,7 +26,6 @@ no proposals; the reason is recorded and reported through `KapWorkerExtension.ka
 
 from __future__ import annotations
 
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -34,14 +33,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kapc.runtime.vllm import compat
+from kapc.runtime.vllm.compat import UnsupportedAttention
+
 PLAN_KEY = "kapc_plan"  # SamplingParams.extra_args key holding the .kapb bytes
 TAG_KEY = "kapc_tag"  # a caller-chosen name the per-request statistics are filed under
 OPTS_KEY = "kapc_opts"  # {"honor_predicted_loss": bool, "k": int, "min_acceptance": bool,
 #                          "accept": "greedy" | "topN"}
-
-
-class UnsupportedAttention(RuntimeError):
-    """The model's attention cannot be read through a compact block table."""
 
 
 def attention_problems(hf_config) -> list[str]:
@@ -123,8 +121,7 @@ class KapProposer:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self._target = None
         self._runner = None
-        self._layer_names: list[str] | None = None
-        self._attn_group = None
+        self._layout: compat.AttentionLayout | None = None
         self._fingerprint: str | None | bool = False  # False: not computed yet; None: failed
         self._fingerprint_error = ""
         self.states: dict[str, _ReqState] = {}  # by vLLM request id
@@ -155,74 +152,33 @@ class KapProposer:
         target logit raised above the row's maximum, so the greedy comparison accepts it and
         emits it. Greedy rows and the bonus positions are left untouched (lossless stays
         lossless); the first rejected position still yields the target's own argmax."""
-        rs = getattr(runner, "rejection_sampler", None)
-        if rs is None or getattr(rs, "_kapc_tolerant", False):
+        compat.before_rejection_sampling(runner, self._raise_tolerated)
+
+    def _raise_tolerated(self, draft_rows, logits) -> None:
+        if not any(st.topn > 1 for st in self.states.values()):
             return
-        forward = rs.forward
-
-        def tolerant_forward(metadata, draft_probs, logits, sampling_metadata, *a, **kw):
-            if logits is not None and any(st.topn > 1 for st in self.states.values()):
-                self._raise_tolerated(runner, metadata, logits)
-            return forward(metadata, draft_probs, logits, sampling_metadata, *a, **kw)
-
-        rs.forward = tolerant_forward
-        rs._kapc_tolerant = True
-
-    def _raise_tolerated(self, runner, metadata, logits) -> None:
-        req_ids = runner.input_batch.req_ids
-        start = 0
-        rows = []
-        for row, n in enumerate(metadata.num_draft_tokens):
+        req_ids = compat.batch_request_ids(self._runner)
+        for row, li, drafts in draft_rows:
             st = self.states.get(req_ids[row]) if row < len(req_ids) else None
-            if n and st is not None and st.topn > 1:
-                rows.append((start, n, st.topn))
-            start += n
-        if not rows:
-            return
-        idx = metadata.target_logits_indices
-        drafts = metadata.draft_token_ids
-        for start, n, topn in rows:
-            li = idx[start:start + n]
-            d = drafts[start:start + n].to(torch.long)
+            if st is None or st.topn <= 1:
+                continue
+            d = drafts.to(torch.long)
             target = logits[li].float()
-            within = (target.topk(topn, dim=-1).indices == d[:, None]).any(-1)
+            within = (target.topk(st.topn, dim=-1).indices == d[:, None]).any(-1)
             if bool(within.any()):
                 li, d = li[within], d[within]
                 top = target[within].max(-1).values + 1.0
                 logits[li, d] = top.to(logits.dtype)
 
     def _get_runner(self):
-        if self._runner is not None:
-            return self._runner
-        # Called from GPUModelRunner.propose_draft_token_ids: its `self` is the runner.
-        f = sys._getframe(2)
-        while f is not None:
-            obj = f.f_locals.get("self")
-            if obj is not None and getattr(obj, "drafter", None) is self:
-                self._runner = obj
-                return obj
-            f = f.f_back
-        raise RuntimeError("kapc KapProposer: cannot find the vLLM model runner")
+        if self._runner is None:
+            self._runner = compat.find_runner(self, depth=3)
+        return self._runner
 
     def _setup(self, runner) -> None:
-        if self._layer_names is not None:
-            return
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-        groups = runner.kv_cache_config.kv_cache_groups
-        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec) \
-                or getattr(groups[0].kv_cache_spec, "sliding_window", None):
-            raise UnsupportedAttention(
-                "kapc's vLLM hook needs one full-attention KV cache group; this model has "
-                f"{[type(g.kv_cache_spec).__name__ for g in groups]}")
-        attn_groups = runner.attn_groups[0]
-        if len(attn_groups) != 1:
-            raise UnsupportedAttention("kapc's vLLM hook needs a single attention backend group")
-        self._attn_group = attn_groups[0]
-        self._layer_names = list(groups[0].layer_names)
-        bs = groups[0].kv_cache_spec.block_size
-        if bs != self.block_size:
-            self.block_size = bs
+        if self._layout is None:
+            self._layout = compat.attention_layout(runner)
+            self.block_size = self._layout.block_size
 
     def _model_fingerprint(self) -> str:
         """The engine model's fingerprint, as the compiler computes it. Raises `PlanMismatch` with
@@ -304,21 +260,9 @@ class KapProposer:
         else:
             st.status, st.reason = "fallback", verdict.reason
 
-    def _record_accepted(self, st: _ReqState, n_sampled: int) -> None:
-        d = st.last_drafted
-        if not d:
-            return
-        st.last_drafted = 0
-        a = max(0, min(d, n_sampled - 1))
-        st.accepted += a
-        for j in range(a):
-            st.per_pos[j] += 1
-        reason = st.monitor.record(d, a)
-        if reason and st.status == "plan":
-            st.status, st.reason = "fallback", reason
-
     def _prune(self, runner) -> None:
-        for rid in [r for r in self.states if r not in runner.requests]:
+        live = compat.live_request_ids(runner)
+        for rid in [r for r in self.states if r not in live]:
             st = self.states.pop(rid)
             self.finished[st.tag] = st.as_dict()
 
@@ -339,14 +283,14 @@ class KapProposer:
         runner = self._get_runner()
         self._setup(runner)
         self._prune(runner)
-        req_ids = runner.input_batch.req_ids
+        req_ids = compat.batch_request_ids(runner)
         n_rows = len(sampled_token_ids)
         out: list[list[int]] = [[] for _ in range(n_rows)]
         rows = []  # (row, state, P, block_ids, max_steps)
         bs = self.block_size
         for row in range(n_rows):
             rid = req_ids[row]
-            req = runner.requests.get(rid)
+            req = compat.batch_request(runner, rid)
             if req is None:
                 continue
             st = self._state_for(rid, req)
@@ -354,15 +298,14 @@ class KapProposer:
             if sampled:
                 st.steps += 1
             if st.status == "plan" or st.last_drafted:
-                self._record_accepted(st, len(sampled))
+                record_verification(st, len(sampled))
             if st.status != "plan" or not sampled:
                 continue
             P = int(num_tokens_no_spec[row]) - 1  # position of the newest sampled token
             if P < st.prompt_tokens:
                 continue
             blocks = req.block_ids[0]
-            # draft step j writes position P+j: it must lie in an allocated block and the model
-            max_steps = min(st.k, len(blocks) * bs - P, self.max_model_len - 1 - P)
+            max_steps = draft_budget(st.k, len(blocks), bs, P, self.max_model_len)
             if max_steps < 1:
                 continue
             rows.append((row, st, P, blocks, max_steps))
@@ -382,73 +325,77 @@ class KapProposer:
         return out
 
     def _draft(self, rows, token_ids_cpu) -> list[list[int]]:
-        from vllm.forward_context import set_forward_context
-        from vllm.v1.attention.backend import CommonAttentionMetadata
-
-        runner = self._runner
+        """Up to max_steps drafts per row, one batched forward per draft step for every row
+        still drafting, each over its own compact view."""
         bs = self.block_size
-        model = runner.model
-        device = runner.device
-        # Per row: the selected full prompt blocks, mapped through the row's real block table.
-        prefixes = []
-        for _, st, P, blocks, _ in rows:
-            sel = [blocks[b] for b in st.selected]
-            prefixes.append(sel)
         drafts: list[list[int]] = [[] for _ in rows]
         cur = [int(token_ids_cpu[row, P]) for row, _, P, _, _ in rows]
         live = list(range(len(rows)))
-        builder = self._attn_group.get_metadata_builder()
         for step in range(max(r[4] for r in rows)):
             live = [i for i in live if rows[i][4] > step]
             if not live:
                 break
-            n = len(live)
-            tables, seq_lens, slots, positions, ids = [], [], [], [], []
-            for i in live:
-                _, st, P, blocks, _ = rows[i]
-                pos = P + step
-                tail_blocks = blocks[st.tail_block: pos // bs + 1]
-                tables.append(prefixes[i] + list(tail_blocks))
-                seq_lens.append(len(prefixes[i]) * bs + pos + 1 - st.tail_block * bs)
-                slots.append(blocks[pos // bs] * bs + pos % bs)
-                positions.append(pos)
-                ids.append(cur[i])
-            width = max(len(t) for t in tables)
-            bt = torch.zeros((n, width), dtype=torch.int32)
-            for j, t in enumerate(tables):
-                bt[j, :len(t)] = torch.tensor(t, dtype=torch.int32)
-            seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-            qsl = torch.arange(n + 1, dtype=torch.int32)
-            slot_t = torch.tensor(slots, dtype=torch.int64)
-            pos_t = torch.tensor(positions, dtype=torch.int64)
-            ids_t = torch.tensor(ids, dtype=torch.int64)
-            if device.type != "cpu":
-                bt, seq_lens_t_dev, qsl_dev = bt.to(device), seq_lens_t.to(device), qsl.to(device)
-                slot_t, pos_t, ids_t = slot_t.to(device), pos_t.to(device), ids_t.to(device)
-            else:
-                seq_lens_t_dev, qsl_dev = seq_lens_t, qsl
-            cam = CommonAttentionMetadata(
-                query_start_loc=qsl_dev, query_start_loc_cpu=qsl, seq_lens=seq_lens_t_dev,
-                num_reqs=n, num_actual_tokens=n, max_query_len=1, max_seq_len=max(seq_lens),
-                block_table_tensor=bt, slot_mapping=slot_t, causal=True, positions=pos_t,
-                seq_lens_cpu_upper_bound=seq_lens_t,
-            )
-            meta = builder.build_for_drafting(common_attn_metadata=cam, draft_index=step)
-            per_layer = {name: meta for name in self._layer_names}
+            views = [compact_row(rows[i][1].selected, rows[i][3], rows[i][1].tail_block,
+                                 rows[i][2] + step, bs) for i in live]
             tf = time.perf_counter()
-            with set_forward_context(per_layer, self.vllm_config, num_tokens=n,
-                                     slot_mapping={name: slot_t for name in self._layer_names}):
-                hidden = model(input_ids=ids_t, positions=pos_t, intermediate_tensors=None,
-                               inputs_embeds=None)
-            logits = model.compute_logits(hidden)
+            logits = compat.draft_logits(
+                self._runner, self.vllm_config, self._layout, tables=[v[0] for v in views],
+                seq_lens=[v[1] for v in views], slots=[v[2] for v in views],
+                positions=[rows[i][2] + step for i in live], token_ids=[cur[i] for i in live],
+                step=step)
             nxt = logits.argmax(dim=-1).tolist()
             self._forward_s += time.perf_counter() - tf
             self.timing["draft_forwards"] += 1
-            self.timing["draft_rows"] += n
+            self.timing["draft_rows"] += len(live)
             for j, i in enumerate(live):
                 drafts[i].append(int(nxt[j]))
                 cur[i] = int(nxt[j])
         return drafts
+
+
+# ---- the pure parts (tested without an engine) ---------------------------------------------
+
+def compact_row(selected: np.ndarray, blocks, tail_block: int, pos: int,
+                block_size: int) -> tuple[list[int], int, int]:
+    """A draft at logical position `pos`: its compact block table (the request's real blocks of
+    the selected full prompt blocks, then every real block from the tail block to the one
+    holding `pos`), the number of tokens that table shows, and the KV slot its key goes to.
+    The kernel reads a table row as one sequence, so every block but the last must be full:
+    selected blocks are full prompt blocks, and the tail starts on a block boundary."""
+    table = [int(blocks[b]) for b in selected] + [int(b) for b in blocks[tail_block:pos // block_size + 1]]
+    seq_len = len(selected) * block_size + pos + 1 - tail_block * block_size
+    slot = int(blocks[pos // block_size]) * block_size + pos % block_size
+    return table, seq_len, slot
+
+
+def draft_budget(k: int, allocated_blocks: int, block_size: int, position: int,
+                 max_model_len: int) -> int:
+    """How many drafts a row may write from `position` (its newest token): draft j writes
+    position+j, which must lie in the request's allocated blocks (never a stale table entry)
+    and within the model's length."""
+    return min(k, allocated_blocks * block_size - position, max_model_len - 1 - position)
+
+
+def record_verification(st: _ReqState, sampled: int) -> None:
+    """Book the verification of a row's last drafts, in a step that sampled `sampled` tokens for
+    it: accepted counts (per position too), and the acceptance monitor's verdict."""
+    d = st.last_drafted
+    if not d:
+        return
+    st.last_drafted = 0
+    a = accepted_of(d, sampled)
+    st.accepted += a
+    for j in range(a):
+        st.per_pos[j] += 1
+    reason = st.monitor.record(d, a)
+    if reason and st.status == "plan":
+        st.status, st.reason = "fallback", reason
+
+
+def accepted_of(drafted: int, sampled: int) -> int:
+    """Drafts accepted in a step that sampled `sampled` tokens for a row that drafted `drafted`:
+    every sampled token but the last (the bonus or the correction) is an accepted draft."""
+    return max(0, min(drafted, sampled - 1))
 
 
 def sampling_is_random(sp) -> bool:

@@ -20,7 +20,7 @@ class KapWorkerExtension:
         p = self._kapc_proposer()
         p.bind(self.model_runner)
         p._setup(self.model_runner)
-        return {"k": p.k, "block_size": p.block_size, "layers": len(p._layer_names),
+        return {"k": p.k, "block_size": p.block_size, "layers": len(p._layout.layer_names),
                 "device": str(self.model_runner.device)}
 
     def kapc_stats(self, pop: bool = False) -> dict:

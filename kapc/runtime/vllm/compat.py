@@ -1,0 +1,143 @@
+"""Every vLLM internal kapc's proposer touches, in one file: supporting another vLLM version means
+changing this file (and the scheduler subclass, which is vLLM's own class by nature).
+
+What the proposer needs from vLLM, and where it is in 0.32 (`vllm/v1/...`):
+
+- the model runner it was built by (`GPUModelRunner`, the CPU runner subclasses it): found from
+  the call stack on the first `propose`, since `custom_class` proposers are built with the config
+  only;
+- the attention layout: one full-attention KV cache group (`kv_cache_config.kv_cache_groups`),
+  its layer names, block size, and the attention group's metadata builder (`runner.attn_groups`);
+- the batch: row order (`runner.input_batch.req_ids`) and each request's block table, prompt and
+  sampling parameters (`runner.requests[req_id]`);
+- a forward over a custom block table: `CommonAttentionMetadata` ->
+  `builder.build_for_drafting` -> `set_forward_context` -> `runner.model` -> `compute_logits`;
+- the rejection sampler's inputs, to adjust target logits for top-N tolerant acceptance
+  (`runner.rejection_sampler.forward(metadata, draft_probs, logits, sampling_metadata)`, with
+  `metadata.num_draft_tokens`, `.target_logits_indices`, `.draft_token_ids`).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+
+class UnsupportedAttention(RuntimeError):
+    """The model's attention cannot be read through a compact block table."""
+
+
+def find_runner(drafter, depth: int = 2):
+    """The model runner whose `drafter` is `drafter`, from the call stack of `propose` (vLLM calls
+    it from `GPUModelRunner.propose_draft_token_ids`, whose `self` is the runner)."""
+    f = sys._getframe(depth)
+    while f is not None:
+        obj = f.f_locals.get("self")
+        if obj is not None and getattr(obj, "drafter", None) is drafter:
+            return obj
+        f = f.f_back
+    raise RuntimeError("kapc KapProposer: cannot find the vLLM model runner")
+
+
+@dataclass
+class AttentionLayout:
+    layer_names: list[str]
+    block_size: int
+    builder: object  # the attention group's metadata builder
+
+
+def attention_layout(runner) -> AttentionLayout:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = runner.kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec) \
+            or getattr(groups[0].kv_cache_spec, "sliding_window", None):
+        raise UnsupportedAttention(
+            "kapc's vLLM hook needs one full-attention KV cache group; this model has "
+            f"{[type(g.kv_cache_spec).__name__ for g in groups]}")
+    attn_groups = runner.attn_groups[0]
+    if len(attn_groups) != 1:
+        raise UnsupportedAttention("kapc's vLLM hook needs a single attention backend group")
+    return AttentionLayout(layer_names=list(groups[0].layer_names),
+                           block_size=int(groups[0].kv_cache_spec.block_size),
+                           builder=attn_groups[0].get_metadata_builder())
+
+
+def batch_request_ids(runner) -> list[str]:
+    """Request ids in the batch's row order (the order `propose` must answer in)."""
+    return runner.input_batch.req_ids
+
+
+def batch_request(runner, req_id: str):
+    """The runner's state of one request: `.block_ids[0]` (its KV blocks, in logical order),
+    `.prompt_token_ids`, `.sampling_params` (whose `extra_args` carry the plan). None if gone."""
+    return runner.requests.get(req_id)
+
+
+def live_request_ids(runner) -> set[str]:
+    return set(runner.requests)
+
+
+def draft_logits(runner, vllm_config, layout: AttentionLayout, tables: list[list[int]],
+                 seq_lens: list[int], slots: list[int], positions: list[int], token_ids: list[int],
+                 step: int) -> torch.Tensor:
+    """One forward of the target model for one query token per row, each row attending over its
+    own block table `tables[i]` (a compact view: `seq_lens[i]` tokens) at its true logical
+    position, writing its K/V to `slots[i]`. Returns logits [rows, vocab]."""
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    n = len(tables)
+    device = runner.device
+    width = max(len(t) for t in tables)
+    bt = torch.zeros((n, width), dtype=torch.int32)
+    for j, t in enumerate(tables):
+        bt[j, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+    qsl_cpu = torch.arange(n + 1, dtype=torch.int32)
+    slot_t = torch.tensor(slots, dtype=torch.int64)
+    pos_t = torch.tensor(positions, dtype=torch.int64)
+    ids_t = torch.tensor(token_ids, dtype=torch.int64)
+    seq_lens_t, qsl = seq_lens_cpu, qsl_cpu
+    if device.type != "cpu":
+        bt, seq_lens_t, qsl = bt.to(device), seq_lens_cpu.to(device), qsl_cpu.to(device)
+        slot_t, pos_t, ids_t = slot_t.to(device), pos_t.to(device), ids_t.to(device)
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl_cpu, seq_lens=seq_lens_t, num_reqs=n,
+        num_actual_tokens=n, max_query_len=1, max_seq_len=max(seq_lens), block_table_tensor=bt,
+        slot_mapping=slot_t, causal=True, positions=pos_t, seq_lens_cpu_upper_bound=seq_lens_cpu)
+    meta = layout.builder.build_for_drafting(common_attn_metadata=cam, draft_index=step)
+    per_layer = {name: meta for name in layout.layer_names}
+    # a layer missing from slot_mapping silently skips its KV write: name every one
+    with set_forward_context(per_layer, vllm_config, num_tokens=n,
+                             slot_mapping={name: slot_t for name in layout.layer_names}):
+        hidden = runner.model(input_ids=ids_t, positions=pos_t, intermediate_tensors=None,
+                              inputs_embeds=None)
+    return runner.model.compute_logits(hidden)
+
+
+def before_rejection_sampling(runner, adjust) -> None:
+    """Call `adjust(draft_rows, logits)` before vLLM's rejection sampler compares drafts with
+    target logits; `draft_rows` is a list of (row, target_logit_indices, draft_token_ids). Once
+    per runner."""
+    rs = getattr(runner, "rejection_sampler", None)
+    if rs is None or getattr(rs, "_kapc_wrapped", False):
+        return
+    forward = rs.forward
+
+    def wrapped(metadata, draft_probs, logits, sampling_metadata, *a, **kw):
+        if logits is not None:
+            rows, start = [], 0
+            for row, n in enumerate(metadata.num_draft_tokens):
+                if n:
+                    rows.append((row, metadata.target_logits_indices[start:start + n],
+                                 metadata.draft_token_ids[start:start + n]))
+                start += n
+            if rows:
+                adjust(rows, logits)
+        return forward(metadata, draft_probs, logits, sampling_metadata, *a, **kw)
+
+    rs.forward = wrapped
+    rs._kapc_wrapped = True
