@@ -242,10 +242,16 @@ def calibrate(
     batches: Annotated[str, typer.Option(help="Batch sizes to time, comma-separated.")] = "1,4,8,16",
     steps: Annotated[int, typer.Option(help="Decode steps (or cycles) timed per point.")] = 16,
     acceptance_questions: Annotated[int, typer.Option(
-        help="HotpotQA calibration questions (dev 1000 on) for the acceptance model; 0: none.")] = 4,
+        help="HotpotQA calibration questions (dev 1000 on) for the acceptance model; 0: none.")] = 8,
     block_size: BlockSizeOpt = None,
+    model: ModelOpt = None,
+    dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16, ... (default: float32 on CPU, bfloat16 on a GPU).")] = None,
+    device: Annotated[str, typer.Option(help="reference engine: cpu or cuda.")] = "cpu",
+    threads: Annotated[Optional[int], typer.Option(help="reference engine: torch threads (default: torch's).")] = None,
     quick: Annotated[bool, typer.Option(help="A small grid (2K/4K, batch 1/4, 8 steps, 2 questions).")] = False,
     resume: Annotated[bool, typer.Option(help="Continue an interrupted calibration.")] = True,
+    acceptance_only: Annotated[bool, typer.Option(
+        help="Measure only the acceptance model again, keeping this engine's step-time fits.")] = False,
     show: Annotated[bool, typer.Option(help="Print the profiles found (or --profile) and exit.")] = False,
     profile: Annotated[Optional[Path], typer.Option(help="With --show: this profile file.")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="Write measured-against-fitted step times as PNG.")] = None,
@@ -281,16 +287,28 @@ def calibrate(
     if engine == "reference":
         from kapc.runtime.calibrate import ReferenceBench
 
+        from kapc.runtime.model import load_model
+
         bench = ReferenceBench(block_size=block_size or 16, max_context=grid.longest,
-                               max_batch=max(grid.batches))
+                               max_batch=max(grid.batches), threads=threads,
+                               model=load_model(model, device=device, dtype=dtype))
     elif engine in ("vllm", "vllm-cpu", "vllm-gpu"):
         from kapc.runtime.vllm.calibrate import VllmBench
 
         bench = VllmBench(block_size=block_size or 32, max_context=grid.longest,
-                          max_batch=max(grid.batches + (len(grid.budgets),)))
+                          max_batch=max(grid.batches + (len(grid.budgets),)), dtype=dtype,
+                          model_dir=model)
     else:
         raise KapcError(f"--engine must be vllm or reference, not {engine!r}")
-    prof, path = run(bench, grid, resume=resume, out=output)
+    base = None
+    if acceptance_only:
+        from kapc.profile import find_profile
+
+        base = find_profile(bench.engine, bench.fingerprint)
+        if base is None:
+            raise KapcError(f"--acceptance-only: no {bench.engine} profile for this model yet; "
+                            f"run kapc calibrate first")
+    prof, path = run(bench, grid, resume=resume, out=output, base=base)
     typer.echo(show_profile(prof))
     typer.echo(f"kapc: profile written to {path}", err=True)
     if plot:

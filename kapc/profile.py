@@ -102,8 +102,10 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
         fit = self.fits.get(kind)
         if fit is None:
             raise ProfileError(f"profile {self.key} has no {kind!r} step model; recalibrate")
-        x = _features(fit.features, batch, query, visible)
-        return float(np.dot(x, fit.coef))
+        values = {"1": 1.0, "B": batch, "Bq": batch * query, "BV": batch * visible,
+                  "BqV": batch * query * visible}
+        # plain Python: the runtime asks this many times per engine step
+        return float(sum(c * values[f] for f, c in zip(fit.features, fit.coef)))
 
 
 def profile_key(engine: str, fingerprint: str, dtype: str, device: str, threads: int) -> str:

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from kapc.profile import (Profile, StepSample, fit_acceptance, fit_steps, now, profile_key,
@@ -39,10 +40,10 @@ class Grid:
     batches: tuple[int, ...] = (1, 4, 8, 16)
     pairs: tuple[tuple[float, int], ...] = ((0.05, 2), (0.1, 3), (0.2, 5), (0.4, 8))
     steps: int = 16  # decode steps (or cycles) timed per point
-    acceptance_questions: int = 4
+    acceptance_questions: int = 8
     acceptance_contexts: tuple[int, ...] = (4096, 7936)
     budgets: tuple[float, ...] = (0.05, 0.1, 0.2, 0.35)
-    acceptance_tokens: int = 96
+    acceptance_tokens: int = 128  # as the decode benchmarks run (EOS ignored)
     rules: tuple[str, ...] = ("greedy", "top3")
 
     def points(self) -> list[tuple]:
@@ -117,14 +118,16 @@ class Partial:
 
 
 def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
-              out: str | Path | None = None) -> tuple[Profile, Path]:
-    """Measure `grid` on `bench`, fit, save; returns the profile and where it was written."""
+              out: str | Path | None = None, base: Profile | None = None) -> tuple[Profile, Path]:
+    """Measure `grid` on `bench`, fit, save; returns the profile and where it was written.
+    With `base`, only the acceptance model is measured again and the base's step fits kept."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     key = profile_key(bench.engine, bench.fingerprint, bench.dtype, bench.device, bench.threads)
     part = Partial.open(profiles_dir() / f"{key}.partial.jsonl", resume)
-    todo = [p for p in grid.points() if tuple(p) not in part.done]
+    todo = [p for p in grid.points() if tuple(p) not in part.done
+            and (base is None or p[0] == "acceptance")]
     console = Console(stderr=True)
     if len(todo) < len(grid.points()):
         console.print(f"kapc calibrate: resuming {key}: {len(grid.points()) - len(todo)} of "
@@ -159,12 +162,18 @@ def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
             bar.advance(task)
     bench.close()
     samples = part.samples()
+    acceptance = {rule: fit for rule, pts in part.acceptance_points().items()
+                  if (fit := fit_acceptance(pts)) is not None}
+    if base is not None:
+        profile = msgspec.structs.replace(base, acceptance=acceptance, created=now())
+        path = save_profile(profile, out)
+        part.path.unlink(missing_ok=True)
+        return profile, path
     profile = Profile(engine=bench.engine, engine_version=bench.engine_version, model=bench.model,
                       model_fingerprint=bench.fingerprint, dtype=bench.dtype, device=bench.device,
                       threads=bench.threads, block_size=bench.block_size, created=now(),
                       samples=tuple(samples), fits=fit_steps(samples),
-                      acceptance={rule: fit for rule, pts in part.acceptance_points().items()
-                                  if (fit := fit_acceptance(pts)) is not None},
+                      acceptance=acceptance,
                       note=bench.note)
     path = save_profile(profile, out)
     part.path.unlink(missing_ok=True)
@@ -229,15 +238,16 @@ def build_acceptance_cases(grid: Grid, context: int, block_size: int,
     return cases
 
 
-def timing_prompts(rows: int, tokens: int) -> list[list[int]]:
+def timing_prompts(rows: int, tokens: int, model_dir=None) -> list[list[int]]:
     """`rows` distinct long HotpotQA prompts (dev questions 5, 12, 19, ..., padded with hard
-    negatives), each cut to `tokens`; every context length takes a prefix of each."""
+    negatives) in the model's tokens, each cut to `tokens`; every context length takes a prefix
+    of each."""
     from transformers import AutoTokenizer
 
     from kapc.models import ensure_default_model
     from kapc.runtime.prompts import build_prompt
 
-    tok = AutoTokenizer.from_pretrained(str(ensure_default_model(weights=True)))
+    tok = AutoTokenizer.from_pretrained(str(model_dir or ensure_default_model(weights=True)))
     out = []
     for r in range(rows):
         ids = build_prompt(tok, 5 + 7 * r, target_tokens=tokens + 256).token_ids
@@ -254,14 +264,20 @@ class ReferenceBench:
     engine_version = "kapc"
 
     def __init__(self, block_size: int = 16, threads: int | None = None, device: str = "cpu",
-                 dtype: str | None = None, max_context: int = 8192, max_batch: int = 16):
+                 dtype: str | None = None, max_context: int = 8192, max_batch: int = 16,
+                 model=None, prompts=None, kv_cache_gib: float | None = None):
+        """`model`: a RuntimeModel to use instead of the default (benchmarks.gpu passes a
+        random-weight one); `prompts(rows, tokens)`: the timing prompts (default: HotpotQA)."""
         import torch
 
         from kapc.runtime.model import load_model
 
         if threads:
             torch.set_num_threads(threads)
-        self.m = load_model(device=device, dtype=getattr(torch, dtype) if dtype else None)
+        self.m = model or load_model(device=device, dtype=getattr(torch, dtype) if dtype else None)
+        self._make_prompts = prompts or (lambda rows, tokens: timing_prompts(rows, tokens,
+                                                                             self.m.path))
+        self._kv_cache_gib = kv_cache_gib
         self.block_size = block_size
         self.model, self.fingerprint = self.m.name, self.m.fingerprint
         self.dtype = str(self.m.dtype).removeprefix("torch.")
@@ -278,13 +294,13 @@ class ReferenceBench:
         if self._ex is None:
             need = self._max_batch * (self._max_context + 1024) * self.m.kv_bytes_per_token()
             self._ex = Executor(self.m, block_size=self.block_size,
-                                kv_cache_gib=max(1.0, 2.5 * need / 2**30),  # rows + prefix cache
+                                kv_cache_gib=self._kv_cache_gib or max(1.0, 2.5 * need / 2**30),
                                 prefix_cache=True, honor_predicted_loss=False)
         return self._ex
 
     def _rows(self, L: int, B: int) -> list[list[int]]:
         if self._prompts is None:
-            self._prompts = timing_prompts(self._max_batch, self._max_context)
+            self._prompts = self._make_prompts(self._max_batch, self._max_context)
         return [p[:L] for p in self._prompts[:B]]
 
     def plain(self, L: int, B: int, steps: int) -> float:

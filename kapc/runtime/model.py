@@ -184,3 +184,27 @@ def _load_cached(spec: str, device: str, dtype: str | None) -> RuntimeModel:
                         fingerprint=assets.fingerprint,
                         tokenizer_fingerprint=assets.tokenizer_fingerprint,
                         template_fingerprint=assets.template_fingerprint, device=dev, dtype=dt)
+
+
+def random_model(config: dict, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | str | None = None, seed: int = 0,
+                 name: str = "random-llama") -> RuntimeModel:
+    """A Llama-shaped model with random weights, built from a config dict: for throughput
+    measurements where the real weights cannot be had (the GPU machine cannot receive them).
+    Its outputs mean nothing; its fingerprint says so ("random:..."), so no real plan matches it."""
+    import hashlib
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dev = torch.device(device)
+    dt = getattr(torch, str(dtype).replace("torch.", "")) if dtype else default_dtype(dev)
+    cfg = LlamaConfig(**config)
+    check_supported(cfg)
+    torch.manual_seed(seed)
+    with torch.device(dev):
+        hf = LlamaForCausalLM(cfg).to(dt)
+    hf.eval()
+    fp = "random:" + hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+    return RuntimeModel(hf=hf, tokenizer=None, path=Path("."), name=name, fingerprint=fp,
+                        tokenizer_fingerprint=fp, template_fingerprint=fp, device=dev, dtype=dt)

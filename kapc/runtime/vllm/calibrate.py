@@ -18,7 +18,8 @@ class VllmBench:
     engine_version = ""
 
     def __init__(self, block_size: int = 32, max_context: int = 7936, max_batch: int = 16,
-                 kv_cache_gib: float | None = None, dtype: str | None = None):
+                 kv_cache_gib: float | None = None, dtype: str | None = None,
+                 model_dir: str | None = None):
         import torch
         import vllm
 
@@ -28,7 +29,7 @@ class VllmBench:
         check_vllm_version()
         self.engine = "vllm-cpu" if not torch.cuda.is_available() else "vllm-gpu"
         self.engine_version = vllm.__version__
-        self.model_dir = ensure_default_model(weights=True)
+        self.model_dir = model_dir or ensure_default_model(weights=True)
         assets = load_assets(str(self.model_dir))
         self.assets = assets
         self.model, self.fingerprint = assets.name, assets.fingerprint
@@ -70,7 +71,7 @@ class VllmBench:
         from kapc.runtime.vllm import generate
 
         if self._prompts is None:
-            self._prompts = timing_prompts(self.max_batch, self.max_context)
+            self._prompts = timing_prompts(self.max_batch, self.max_context, self.model_dir)
         if L not in self._warm:
             generate(eng, [p[:L] for p in self._prompts], None, max_tokens=4, ignore_eos=True)
             self._warm.add(L)
