@@ -117,7 +117,8 @@ def start_engine(method, cases, batches, args):
     from kapc.runtime.vllm import make_engine
 
     t0 = time.perf_counter()
-    eng = make_engine(block_size=args.block_size, k=args.k, method=method,
+    k = args.ngram_k if method == "ngram" and args.ngram_k else args.k
+    eng = make_engine(block_size=args.block_size, k=k, method=method,
                       max_model_len=min(model_max_len(), max(cases) + args.max_tokens +
                                         8 * args.k + 256),
                       max_num_seqs=max(batches), kv_cache_gib=args.kv_cache_gib,
@@ -168,6 +169,7 @@ def run_rows(eng, label, cases, batches, args, with_plans: bool, accept: str | N
                 cost = pl[0].header.cost
                 row.update(k=sorted({p.header.k for p in pl}),
                            fallbacks=sum(r["status"] == "fallback" for r in res),
+                           reasons=sorted({r["reason"] for r in res if r.get("reason")}),
                            pred_auto=sum(p.header.cost.speedup for p in pl) / b)
                 kv = sum(p.header.cost.kv_bytes for p in pl) / b
                 tm = res[0].get("timing", {})
@@ -205,6 +207,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default=None,
                     help="engine dtype for every method (default: float32 on CPU, auto on GPU); "
                     "bfloat16 uses AMX on CPUs that have it")
+    ap.add_argument("--ngram-k", type=int, default=None,
+                    help="ngram's proposal length (default: --k; with --auto, 4)")
     ap.add_argument("--ngram-max", type=int, default=4)
     ap.add_argument("--ngram-min", type=int, default=2)
     ap.add_argument("--auto", action="store_true",
@@ -218,6 +222,7 @@ def main(argv=None):
         from kapc.policy import MAX_AUTO_K
 
         args.k = MAX_AUTO_K  # the engine's k caps every plan's; each plan runs its own
+        args.ngram_k = args.ngram_k or 4
     if args.quick:
         args.contexts, args.batches, args.max_tokens = "4096", "1,4", 32
     contexts = [int(x) for x in args.contexts.split(",")]

@@ -140,6 +140,83 @@ def predict(*, s: float, p: float, k: int | None, batch: int, context: int, prof
                       by_k=by_k, basis=profile.key if profile is not None else "memory-bound")
 
 
+# ---- the batch, step by step ------------------------------------------------------------------
+#
+# In a batch, one row's drafting is every row's cost: a verification step runs k+1 query tokens
+# for each drafting row, and a row that does not draft still waits for that step. Measured on a
+# CPU, a step where one row of four drafts costs the three others as much as it gains itself
+# (docs/cost-model.md). So, with a profile, the runtime decides per step which rows draft and how
+# far, for the batch's throughput, from each row's observed acceptance.
+
+@dataclass(frozen=True)
+class DraftRow:
+    """A row that may draft this step: its acceptance estimate, its plan's k, its retained ratio
+    and the tokens its full context holds."""
+
+    p: float
+    k: int
+    s: float
+    context: int
+
+
+def estimated_p(prior_p: float, accepted: int, tried: int, weight: float = 16.0) -> float:
+    """A row's per-draft acceptance: the plan's prediction, worth `weight` tries, updated with
+    what the row has shown (accepted drafts over drafts tried)."""
+    return (weight * prior_p + accepted) / (weight + tried)
+
+
+def step_cost(profile, rows: list[tuple[int, int, float]], others: list[int]) -> float:
+    """Seconds of one engine step in which each of `rows` (k, context, s) drafts k tokens and is
+    verified, and each of `others` (context) decodes one token."""
+    drafting = [(k, L, s) for k, L, s in rows if k > 0]
+    B = len(rows) + len(others)
+    if not drafting:  # a step of a speculating engine with nothing to verify
+        kind = "resting" if "resting" in profile.fits else "plain"
+        return profile.seconds(kind, B, sum(L for _, L, _ in rows) / max(1, B)
+                               + sum(others) / max(1, B))
+    # verification: the fitted features summed over rows (1, B, sum q, sum L, sum q*L)
+    fit = profile.fits["verify"]
+    q = [k + 1 for k, _, _ in rows] + [1] * len(others)
+    L = [L for _, L, _ in rows] + list(others)
+    feats = {"1": 1.0, "B": float(B), "Bq": float(sum(q)), "BV": float(sum(L)),
+             "BqV": float(sum(a * b for a, b in zip(q, L)))}
+    verify = sum(c * feats[f] for f, c in zip(fit.features, fit.coef))
+    kmax = max(k for k, _, _ in drafting)
+    draft = 0.0
+    for j in range(kmax):  # draft step j runs the rows still drafting
+        live = [(L, s) for k, L, s in drafting if k > j]
+        draft += profile.seconds("draft", len(live), sum(s * L for L, s in live) / len(live))
+    propose = profile.seconds("propose", len(drafting), 0) if "propose" in profile.fits else 0.0
+    return verify + draft + propose
+
+
+def plan_step(profile, rows: list[DraftRow], others: list[int],
+              fixed: list[DraftRow] = ()) -> list[int]:
+    """How many tokens each of `rows` drafts this step (0: none), for the most tokens per second
+    over the whole batch (`others`: the contexts of rows that cannot draft; `fixed`: rows that
+    draft their full k whatever this says). Tries every common cap on k, and drafting only the
+    rows with the best acceptance."""
+    if not rows:
+        return []
+    fixed_tokens = sum(tokens_per_cycle(r.p, r.k) for r in fixed)
+    fixed_cost = [(r.k, r.context, r.s) for r in fixed]
+    order = sorted(range(len(rows)), key=lambda i: -rows[i].p)
+    best, best_rate = [0] * len(rows), None
+    kmax = max(r.k for r in rows)
+    for n in range(0, len(rows) + 1):
+        chosen = set(order[:n])
+        for cap in (range(1, kmax + 1) if n else (0,)):
+            ks = [min(r.k, cap) if i in chosen else 0 for i, r in enumerate(rows)]
+            tokens = (sum(tokens_per_cycle(r.p, k) for r, k in zip(rows, ks)) + len(others)
+                      + fixed_tokens)
+            cost = step_cost(profile, [(k, r.context, r.s) for r, k in zip(rows, ks)]
+                             + fixed_cost, others)
+            rate = tokens / cost
+            if best_rate is None or rate > best_rate * (1 + 1e-9):
+                best, best_rate = ks, rate
+    return best
+
+
 # ---- admission ------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ class CostPrediction(msgspec.Struct, frozen=True, kw_only=True):
     pays: bool
     basis: str = "memory-bound"
     break_even: float | None = None  # acceptance rate h at which the plan breaks even
+    p: float | None = None  # the per-draft acceptance the prediction assumed
 
 
 class ArrayRef(msgspec.Struct, frozen=True, array_like=True):
@@ -247,6 +248,8 @@ def plan_problem(plan: Plan) -> str | None:
         return f"fallback: acceptance_window {fb.acceptance_window} is outside 1..1000000"
     if not all(math.isfinite(x) for x in (c.s, c.h, c.speedup)) or c.speedup <= 0:
         return "cost: s, h and speedup must be finite, speedup positive"
+    if c.p is not None and not (math.isfinite(c.p) and 0.0 <= c.p <= 1.0):
+        return f"cost: p={c.p} must lie in [0, 1]"
     if not (0.0 <= c.h <= 1.0 and abs(c.s - h.retained_ratio) <= 1e-6):
         return f"cost: h={c.h} must lie in [0, 1] and s={c.s} equal retained_ratio"
     if c.k != h.k or not 1 <= c.batch <= MAX_BATCH or c.weight_bytes < 0 or c.kv_bytes < 0:

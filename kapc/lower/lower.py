@@ -60,7 +60,7 @@ def lower_module(module: Module, ctx: CompileContext) -> bytes:
                                 on_predicted_loss=f.on_predicted_loss),
         cost=CostPrediction(weight_bytes=c.weight_bytes, kv_bytes=c.kv_bytes, batch=c.batch, s=c.s,
                             h=c.h, k=c.k, speedup=c.speedup, pays=c.pays, basis=c.basis,
-                            break_even=c.break_even))
+                            break_even=c.break_even, p=c.p))
     data = encode_plan(header, tokens.ids, blocks, positions)
     try:
         decode_plan(data, f"plan {name!r}")  # the reader's consistency checks, at the writer

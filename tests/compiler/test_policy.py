@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from kapc.lower.kapb import CostPrediction, FallbackPolicy, PlanHeader
-from kapc.policy import (AcceptanceMonitor, PolicyError, accepted_prefix, acceptance_rate, admit,
-                         engine_blocks, parse_accept, predict, predicted_speedup, tokens_per_cycle,
-                         visible_tokens)
+from kapc.policy import (AcceptanceMonitor, DraftRow, PolicyError, accepted_prefix, acceptance_rate,
+                         admit, engine_blocks, estimated_p, parse_accept, plan_step, predict,
+                         predicted_speedup, tokens_per_cycle, visible_tokens)
 from kapc.profile import AcceptanceFit, Profile, StepFit, StepSample, fit_steps, load_profile, save_profile
 
 
@@ -113,6 +113,31 @@ def test_profiled_prediction_k_auto_and_break_even():
         **{**msgspec.structs.asdict(prof), "fits": {**prof.fits, "draft": StepFit(
             features=("1", "B", "BV"), coef=(0.2, 0, 0), rel_error=0, samples=3)}}))
     assert never.break_even is None and never.speedup < 1
+
+
+def test_step_policy_drafts_what_pays_for_the_batch():
+    prof = known_profile()
+    row = DraftRow(p=0.8, k=4, s=0.1, context=4096)
+    # alone: k=3 gives 2.952 tokens in 25 ms, k=4 3.3616 in 29, none 1 in 10
+    assert plan_step(prof, [row], []) == [3]
+    assert plan_step(prof, [DraftRow(p=0.2, k=4, s=0.1, context=4096)], []) == [0]
+    # plain and verification cost 10 and 12 ms per row: with rows at p 0.9 and 0.1 the best
+    # is the first drafting 4 (5.0951 tokens in 42 ms) and the second held (both: 5.2062 in 46)
+    per_row = Profile(**{**msgspec.structs.asdict(prof), "fits": {
+        **prof.fits,
+        "plain": StepFit(features=("1", "B", "BV"), coef=(0, 0.010, 0), rel_error=0, samples=3),
+        "verify": StepFit(features=("1", "B", "Bq", "BV", "BqV"), coef=(0, 0.012, 0.001, 0, 0),
+                          rel_error=0, samples=5)}})
+    good, poor = DraftRow(p=0.9, k=4, s=0.1, context=4096), DraftRow(p=0.1, k=4, s=0.1, context=4096)
+    assert plan_step(per_row, [good, poor], []) == [4, 0]
+    assert plan_step(per_row, [poor, good], []) == [0, 4]
+    # a row that must draft is paid for anyway: the good row then drafts too
+    assert plan_step(per_row, [good], [], fixed=[poor]) == [4]
+    # a row that cannot draft (`others`) still waits for the verification
+    assert plan_step(per_row, [], [4096]) == []
+    # acceptance estimate: the plan's p worth 16 tries, then what the row shows
+    assert estimated_p(0.5, 10, 20) == pytest.approx(18 / 36)
+    assert estimated_p(0.9, 0, 0) == 0.9
 
 
 def test_fit_recovers_known_step_times():

@@ -265,3 +265,58 @@ def test_adversarial_plans_stay_lossless(engine, cases, baseline):
     by = dict(zip(names, res))
     assert by["everything"]["retained_ratio"] == 1.0
     assert by["everything"]["accepted"] == by["everything"]["proposed"]
+
+
+def _write_profile(path, fingerprint: str, verify_s: float):
+    """A profile for the engine's model whose steps cost plain 10 ms per row, draft 1 ms and
+    verification `verify_s` plus 10 ms per row: written by hand, to make the step policy's
+    choice known."""
+    from kapc.profile import Profile, StepFit, save_profile
+
+    def fit(features, coef):
+        return StepFit(features=features, coef=coef, rel_error=0.0, samples=len(coef))
+
+    save_profile(Profile(
+        engine="vllm-cpu", engine_version="test", model="SmolLM2", model_fingerprint=fingerprint,
+        dtype="float32", device="cpu", threads=2, block_size=32, created="test",
+        fits={"plain": fit(("1", "B", "BV"), (0.0, 0.010, 0.0)),
+              "draft": fit(("1", "B", "BV"), (0.001, 0.0, 0.0)),
+              "verify": fit(("1", "B", "Bq", "BV", "BqV"), (verify_s, 0.010, 0.0, 0.0, 0.0))},
+        acceptance={}), path)
+    return path
+
+
+def test_step_policy_drafts_only_what_pays_for_the_batch(engine, cases, baseline, tmp_path):
+    """With a profile where a verification step costs 50 plain steps, no row drafts; when a row
+    run against the cost model's advice drafts anyway, the verification is paid and the other
+    row drafts too; with a verification as cheap as a plain step, both draft. Every output stays
+    identical to plain vLLM's."""
+    from kapc.runtime.vllm import generate
+
+    fp = cases[0].plan.header.model_fingerprint
+    costly = _write_profile(tmp_path / "costly.json", fp, verify_s=1.0)
+    cheap = _write_profile(tmp_path / "cheap.json", fp, verify_s=0.0)
+    pair = [cases[0], cases[1]]
+
+    def run(honor=True):
+        res = generate(engine, [c.ids for c in pair], [c.plan for c in pair],
+                       max_tokens=NEW_TOKENS, honor_predicted_loss=honor)
+        assert [r["tokens"] for r in res] == baseline[:2]
+        assert all(r["status"] == "plan" for r in res), [r["reason"] for r in res]
+        return res
+
+    try:
+        key = engine.use_profile(costly)
+        assert key == f"vllm-cpu-{fp.removeprefix('sha256:')[:12]}-float32-cpu-t2"
+        res = run()
+        assert res[0]["policy"] == f"step policy, profile {key}"
+        assert all(r["proposed"] == 0 and r["held"] > 0 for r in res)
+        res = run(honor=[True, False])
+        assert res[1]["proposed"] > 0 and res[1]["held"] == 0
+        assert res[0]["proposed"] > 0
+        engine.use_profile(cheap)
+        assert all(r["proposed"] > 0 and r["held"] == 0 for r in run())
+    finally:
+        engine.use_profile("none")
+    res = generate(engine, [cases[0].ids], [cases[0].plan], max_tokens=8)
+    assert res[0]["policy"] == "each plan's own rules"

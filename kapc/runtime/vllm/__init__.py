@@ -107,6 +107,14 @@ class KapEngine:
             return {"requests": {}, "timing": {}}
         return self.llm.collective_rpc("kapc_stats", kwargs={"pop": pop})[0]
 
+    def use_profile(self, source: str = "auto") -> str | None:
+        """The calibration profile the hook decides each step with: "auto" (this machine's
+        profile for the model, found at start), "none" (each plan's own rules only) or a profile
+        file's path. Returns the profile's key, or None."""
+        if not self.hook:
+            raise ValueError("this engine runs without kapc's hook")
+        return self.llm.collective_rpc("kapc_use_profile", kwargs={"source": str(source)})[0]
+
     def close(self) -> None:
         """Shut the engine's processes down (the LLM object is unusable afterwards)."""
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
@@ -228,25 +236,30 @@ def _checked_accept(rule: str) -> str:
 
 
 def generate(engine: KapEngine, prompts_token_ids, plans=None, max_tokens: int = 128,
-             honor_predicted_loss: bool = True, k: int | None = None,
+             honor_predicted_loss: bool | list[bool] = True, k: int | None = None,
              min_acceptance: bool = True, ignore_eos: bool = False,
              accept: str | None = None) -> list[dict]:
     """Decode a batch of token-id prompts in one `LLM.generate` call, each with its plan (a Plan,
     .kapb bytes, a path, or None for plain decoding). Returns one dict per prompt: tokens, text,
     finish_reason, status ("plan", "refused", "fallback", "none"), reason, proposed, accepted,
     acceptance_rate, retained_ratio (executed), plan_retained_ratio, tokens_per_cycle, plus the
-    batch's wall time under "batch_s". `accept` overrides every plan's acceptance rule."""
+    batch's wall time under "batch_s". `accept` overrides every plan's acceptance rule;
+    `honor_predicted_loss` may be given per prompt (False: the plan drafts whenever it can)."""
     prompts = [[int(t) for t in p] for p in prompts_token_ids]
     if plans is None:
         plans = [None] * len(prompts)
     if len(plans) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(plans)} plans")
+    honor = ([bool(honor_predicted_loss)] * len(prompts)
+             if isinstance(honor_predicted_loss, bool) else list(honor_predicted_loss))
+    if len(honor) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(honor)} honor_predicted_loss flags")
     run = uuid.uuid4().hex[:8]
     tags = [f"{run}-{i}" for i in range(len(prompts))]
     sps = [sampling_params(max_tokens, plan=pl if engine.hook else None, tag=t,
-                           honor_predicted_loss=honor_predicted_loss, k=k,
+                           honor_predicted_loss=hon, k=k,
                            min_acceptance=min_acceptance, ignore_eos=ignore_eos, accept=accept)
-           for pl, t in zip(plans, tags)]
+           for pl, t, hon in zip(plans, tags, honor)]
     engine.stats(pop=True)
     t0 = time.perf_counter()
     outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
@@ -270,6 +283,7 @@ def generate(engine: KapEngine, prompts_token_ids, plans=None, max_tokens: int =
             "proposed": st.get("proposed", 0), "accepted": st.get("accepted", 0),
             "acceptance_rate": st.get("acceptance_rate"),
             "accepted_per_pos": st.get("accepted_per_pos", []),
+            "held": st.get("held", 0),  # steps the step policy kept this row from drafting
             "retained_ratio": st.get("retained_ratio"),
             "plan_retained_ratio": st.get("plan_retained_ratio"),
             "visible_prompt_tokens": st.get("visible_prompt_tokens", 0),
@@ -281,6 +295,7 @@ def generate(engine: KapEngine, prompts_token_ids, plans=None, max_tokens: int =
         results.append(r)
     if results:
         results[0]["timing"] = stats.get("timing", {})
+        results[0]["policy"] = stats.get("policy")
     return results
 
 

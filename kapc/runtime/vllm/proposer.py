@@ -90,6 +90,10 @@ class _ReqState:
     steps: int = 0  # engine steps that sampled tokens for this request (prefill included)
     last_drafted: int = 0
     monitor: object = None  # kapc.policy.AcceptanceMonitor
+    prior_p: float = 0.0  # the plan's predicted per-draft acceptance
+    tried: int = 0  # drafts verified that could have been accepted (up to the first rejection)
+    held: int = 0  # steps the step policy kept this row from drafting
+    forced: bool = False  # run against the cost model's advice: drafts whenever it can
     per_pos: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -104,7 +108,7 @@ class _ReqState:
             "accept": self.accept, "k": self.k, "proposed": proposed,
             "accepted": self.accepted, "cycles": self.cycles, "steps": self.steps,
             "acceptance_rate": self.accepted / proposed if proposed else None,
-            "accepted_per_pos": list(self.per_pos),
+            "accepted_per_pos": list(self.per_pos), "held": self.held,
             "speedup_predicted": self.speedup_predicted,
         }
 
@@ -122,6 +126,7 @@ class KapProposer:
         self._target = None
         self._runner = None
         self._layout: compat.AttentionLayout | None = None
+        self._profile = None
         self._fingerprint: str | None | bool = False  # False: not computed yet; None: failed
         self._fingerprint_error = ""
         self.states: dict[str, _ReqState] = {}  # by vLLM request id
@@ -179,6 +184,38 @@ class KapProposer:
         if self._layout is None:
             self._layout = compat.attention_layout(runner)
             self.block_size = self._layout.block_size
+            self._profile = self._find_profile(runner)
+
+    def _find_profile(self, runner):
+        """This engine's calibration profile, if `kapc calibrate` measured one for this model on
+        this machine: with it, every step decides which rows draft for the batch's throughput
+        (kapc.policy.plan_step); without, each plan's own rules alone decide."""
+        from kapc.errors import KapcError
+        from kapc.profile import find_profile
+
+        try:
+            kind = "vllm-cpu" if runner.device.type == "cpu" else "vllm-gpu"
+            return find_profile(kind, self._model_fingerprint())
+        except KapcError:
+            return None
+
+    def use_profile(self, source: str = "auto") -> str | None:
+        """Decide steps with a profile: "auto" (this machine's calibration for the model, if
+        any), "none" (each plan's own rules only) or a profile file's path, which must be for
+        this model. Returns the profile's key, or None. Applies to requests admitted from now."""
+        from kapc.profile import ProfileError, load_profile
+
+        if source == "none":
+            self._profile = None
+        elif source == "auto":
+            self._profile = self._find_profile(self._runner)
+        else:
+            profile = load_profile(source)
+            if profile.model_fingerprint != self._model_fingerprint():
+                raise ProfileError(f"{source}: profile calibrated for model {profile.model}, "
+                                   f"not this engine's; run kapc calibrate for it")
+            self._profile = profile
+        return self._profile.key if self._profile is not None else None
 
     def _model_fingerprint(self) -> str:
         """The engine model's fingerprint, as the compiler computes it. Raises `PlanMismatch` with
@@ -240,9 +277,12 @@ class KapProposer:
             st.selected, st.tail_block = blocks[:-1], int(blocks[-1])
             st.visible_prompt_tokens = visible_tokens(blocks, P, bs)
             st.retained_ratio = st.visible_prompt_tokens / P
+            # with a profile, the step policy judges each step with the real batch, not the
+            # compile-time prediction for the batch the plan was compiled for
+            honor = opts.get("honor_predicted_loss", True)
             verdict = admit(h, retained=st.retained_ratio, k=int(opts.get("k") or h.k),
                             engine_k=self.k, accept=opts.get("accept"),
-                            honor_predicted_loss=opts.get("honor_predicted_loss", True),
+                            honor_predicted_loss=honor and self._profile is None,
                             random_sampling=sampling_is_random(req.sampling_params))
         except KapcError as exc:
             st.status, st.reason = "refused", f"plan refused: {exc}"
@@ -252,7 +292,12 @@ class KapProposer:
             st.note = (f"plan compiled for block size {h.block_size}, run on the engine's "
                          f"{bs} (s {h.retained_ratio:.3f} -> {st.retained_ratio:.3f})")
         fb = h.fallback
-        st.monitor = AcceptanceMonitor(fb.min_acceptance if opts.get("min_acceptance", True)
+        st.forced = not honor
+        st.prior_p = float(h.cost.p) if h.cost.p is not None else float(h.cost.h)
+        # likewise the plan's acceptance floor (set for the batch it was compiled for) would stop
+        # a row for good that the step policy holds back only while it loses
+        use_floor = opts.get("min_acceptance", True) and self._profile is None
+        st.monitor = AcceptanceMonitor(fb.min_acceptance if use_floor
                                        else 0.0, fb.acceptance_window)
         if verdict.runs:
             st.status = "plan"
@@ -270,7 +315,9 @@ class KapProposer:
         out = dict(self.finished)
         for st in self.states.values():
             out[st.tag] = st.as_dict()
-        res = {"requests": out, "timing": dict(self.timing)}
+        res = {"requests": out, "timing": dict(self.timing),
+               "policy": f"step policy, profile {self._profile.key}" if self._profile is not None
+               else "each plan's own rules"}
         if pop:
             self.finished.clear()
             self.timing = {k: 0 if isinstance(v, int) else 0.0 for k, v in self.timing.items()}
@@ -309,6 +356,8 @@ class KapProposer:
             if max_steps < 1:
                 continue
             rows.append((row, st, P, blocks, max_steps))
+        if rows and self._profile is not None:
+            rows = self._plan_step(rows, num_tokens_no_spec, n_rows)
         self._forward_s = 0.0
         if rows:
             drafts = self._draft(rows, token_ids_cpu)
@@ -323,6 +372,29 @@ class KapProposer:
         self.step_log.append((t0, t1, n_rows, len(rows), max((r[4] for r in rows), default=0),
                               self._forward_s))
         return out
+
+    def _plan_step(self, rows, num_tokens_no_spec, n_rows):
+        """Keep, and cap the drafts of, the rows whose drafting pays for the whole batch this
+        step (kapc.policy.plan_step, from the profile and each row's observed acceptance)."""
+        from kapc.policy import DraftRow, estimated_p, plan_step
+
+        def as_draft_row(st, P, budget):
+            return DraftRow(p=estimated_p(st.prior_p, st.accepted, st.tried), k=budget,
+                            s=st.retained_ratio or 1.0, context=P + 1)
+
+        drafting = {r[0] for r in rows}
+        forced = [r for r in rows if r[1].forced]
+        free = [r for r in rows if not r[1].forced]
+        others = [int(num_tokens_no_spec[row]) for row in range(n_rows) if row not in drafting]
+        ks = plan_step(self._profile, [as_draft_row(st, P, b) for _, st, P, _, b in free], others,
+                       fixed=[as_draft_row(st, P, b) for _, st, P, _, b in forced])
+        kept = list(forced)
+        for (row, st, P, blocks, budget), k in zip(free, ks):
+            if k > 0:
+                kept.append((row, st, P, blocks, min(budget, k)))
+            else:
+                st.held += 1
+        return sorted(kept, key=lambda r: r[0])
 
     def _draft(self, rows, token_ids_cpu) -> list[list[int]]:
         """Up to max_steps drafts per row, one batched forward per draft step for every row
@@ -385,6 +457,7 @@ def record_verification(st: _ReqState, sampled: int) -> None:
     st.last_drafted = 0
     a = accepted_of(d, sampled)
     st.accepted += a
+    st.tried += min(d, a + 1)
     for j in range(a):
         st.per_pos[j] += 1
     reason = st.monitor.record(d, a)

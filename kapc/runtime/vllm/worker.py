@@ -23,6 +23,10 @@ class KapWorkerExtension:
         return {"k": p.k, "block_size": p.block_size, "layers": len(p._layout.layer_names),
                 "device": str(self.model_runner.device)}
 
+    def kapc_use_profile(self, source: str = "auto") -> str | None:
+        """Choose the step policy's profile ("auto", "none" or a path); returns its key."""
+        return self._kapc_proposer().use_profile(source)
+
     def kapc_stats(self, pop: bool = False) -> dict:
         """Per-request proposal statistics (by tag) and proposer timing."""
         p = self._kapc_proposer()
