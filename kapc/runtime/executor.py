@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from kapc.lower.kapb import Plan, PlanMismatch, check_plan_matches, prompt_hash
 from kapc.policy import (AcceptanceMonitor, accepted_prefix, admit, engine_blocks, parse_accept,
                          visible_tokens)
+from kapc.runtime import attention
 from kapc.runtime.model import RuntimeModel
 from kapc.runtime.paged_kv import NULL_BLOCK, PagedKVCache, Workspace
 
@@ -246,7 +247,7 @@ class Executor:
                 dups.append((s, key))
             else:
                 keys.add(key)
-                self.cache.ensure(s.sid, s.P)
+                self.cache.ensure(s.sid, self._lifetime(s))
                 s.c = 0
                 pending.append((s, key))
         C = self.prefill_chunk
@@ -286,7 +287,13 @@ class Executor:
             self.cache.fork(src, s.sid, s.P)
             self._started(s, first, t0)
 
+    def _lifetime(self, s: _Seq) -> int:
+        """The KV positions a request can use: reserved at once, so that its context is one run
+        of the pool (two for a forked prompt) that attention reads in place."""
+        return s.P + s.max_tokens + s.k + 1
+
     def _started(self, s: _Seq, first: int, t0: float) -> None:
+        self.cache.ensure(s.sid, self._lifetime(s))
         s.c = s.P
         s.carry = first
         s.out.append(first)
@@ -304,87 +311,85 @@ class Executor:
 
     # ---- decoding loop ------------------------------------------------------------------------
     def _decode(self, seqs: list[_Seq], stats: BatchStats) -> None:
+        """Propose, verify, commit, until every row has finished."""
         t_start = time.perf_counter()
         for s in seqs:
             if s.finished:
                 self.cache.free(s.sid)
-        while True:
-            active = [s for s in seqs if not s.finished]
-            if not active:
-                break
+        while active := [s for s in seqs if not s.finished]:
             stats.cycles += 1
-            # 1. proposal
-            drafts: dict[int, list[int]] = {}
-            plan_rows = []
-            for s in active:
-                kb = min(s.k, s.max_tokens - len(s.out) - 1) if s.mode == "plan" else 0
-                if kb >= 1:
-                    plan_rows.append((s, kb))
-            if plan_rows:
-                t0 = time.perf_counter()
-                g0 = self._gather_s
-                drafts = self._propose(plan_rows, stats)
-                stats.proposal_s += time.perf_counter() - t0
-                stats.gather_s += self._gather_s - g0
-            # 2. verification (one full-context forward for every active row)
-            t0 = time.perf_counter()
-            g0 = self._gather_s
-            rows, toks, poss = [], [], []
-            for s in active:
-                d = drafts.get(s.sid, [])
-                q = 1 + len(d)
-                self.cache.ensure(s.sid, s.c + q)
-                rows.append((s.sid, s.c, q))
-                toks.append([s.carry] + d)
-                poss.append(range(s.c, s.c + q))
-            dev = self.m.device
-            ids = torch.tensor([t for tt in toks for t in tt], dtype=torch.long, device=dev)
-            pos = torch.tensor([p for pp in poss for p in pp], dtype=torch.long, device=dev)
-            meta = self._full_meta(rows)
-            logits = self.m.forward(ids, pos, meta)
-            maxn = max(s.topn for s in active)
-            if maxn > 1:
-                top = logits.topk(maxn, dim=-1).indices.cpu()
-                target = top[:, 0].tolist()
-            else:
-                top = None
-                target = logits.argmax(-1).cpu().tolist()
-            stats.verify_s += time.perf_counter() - t0
-            stats.verify_forwards += 1
-            stats.gather_s += self._gather_s - g0
-            # 3. acceptance, commit, fallback, stop
+            drafts = self._propose_for(active, stats)
+            toks = [[s.carry] + drafts.get(s.sid, []) for s in active]
+            target, top = self._verify(active, toks, stats)
             off = 0
             for s, tt in zip(active, toks):
-                d = tt[1:]
-                q = len(tt)
-                cands = [[t] for t in target[off:off + len(d)]] if s.topn == 1 else \
-                    top[off:off + len(d)].tolist()
-                a = accepted_prefix(d, cands, s.topn)
-                emitted = d[:a] + [target[off + a]]
-                s.cycles += 1
-                if d:
-                    s.plan_cycles += 1
-                    s.proposed += len(d)
-                    s.accepted += a
-                    s.per_pos += [0] * (len(d) - len(s.per_pos))
-                    for j in range(a):
-                        s.per_pos[j] += 1
-                    reason = s.monitor.record(len(d), a)
-                    if reason and s.mode == "plan":
-                        s.mode, s.fallback_reason = "full", reason
-                s.c += a + 1
-                n0 = len(s.out)
-                for t in emitted:
-                    s.out.append(t)
-                    self._check_stop(s)
-                    if s.finished:
-                        break
-                stats.decode_tokens += len(s.out) - n0
-                s.carry = s.out[-1]
-                off += q
-                if s.finished:
-                    self.cache.free(s.sid)
+                self._commit(s, tt[1:], target[off:off + len(tt)],
+                             top[off:off + len(tt)] if top is not None else None, stats)
+                off += len(tt)
         stats.decode_s = time.perf_counter() - t_start
+
+    def _propose_for(self, active: list[_Seq], stats: BatchStats) -> dict[int, list[int]]:
+        """Drafts of the rows running a plan, each up to its k (and what it may still emit)."""
+        plan_rows = [(s, kb) for s in active if s.mode == "plan"
+                     for kb in [min(s.k, s.max_tokens - len(s.out) - 1)] if kb >= 1]
+        if not plan_rows:
+            return {}
+        t0, g0 = time.perf_counter(), self._gather_s
+        drafts = self._propose(plan_rows, stats)
+        stats.proposal_s += time.perf_counter() - t0
+        stats.gather_s += self._gather_s - g0
+        return drafts
+
+    def _verify(self, active: list[_Seq], toks: list[list[int]], stats: BatchStats):
+        """One full-context forward over every row's carried token and drafts. Returns the
+        full-context argmax per query token, and the top-N candidates when a row accepts top-N."""
+        t0 = time.perf_counter()
+        dev = self.m.device
+        rows = []
+        for s, tt in zip(active, toks):
+            self.cache.ensure(s.sid, s.c + len(tt))
+            rows.append((s.sid, s.c, len(tt)))
+        ids = torch.tensor([t for tt in toks for t in tt], dtype=torch.long, device=dev)
+        pos = torch.tensor([p for s, tt in zip(active, toks) for p in range(s.c, s.c + len(tt))],
+                           dtype=torch.long, device=dev)
+        logits = self.m.forward(ids, pos, self._in_place_attention(rows))
+        maxn = max(s.topn for s in active)
+        if maxn > 1:
+            top = logits.topk(maxn, dim=-1).indices.cpu()
+            target = top[:, 0].tolist()
+        else:
+            top, target = None, logits.argmax(-1).cpu().tolist()
+        stats.verify_s += time.perf_counter() - t0
+        stats.verify_forwards += 1
+        return target, top
+
+    def _commit(self, s: _Seq, drafts: list[int], target: list[int], top, stats: BatchStats):
+        """Emit the accepted prefix of `drafts` and the full-context token after it; record
+        acceptance, fall back when the plan is losing, stop at EOS or the length limit."""
+        cands = [[t] for t in target[:len(drafts)]] if s.topn == 1 else top[:len(drafts)].tolist()
+        a = accepted_prefix(drafts, cands, s.topn)
+        s.cycles += 1
+        if drafts:
+            s.plan_cycles += 1
+            s.proposed += len(drafts)
+            s.accepted += a
+            s.per_pos += [0] * (len(drafts) - len(s.per_pos))
+            for j in range(a):
+                s.per_pos[j] += 1
+            reason = s.monitor.record(len(drafts), a)
+            if reason and s.mode == "plan":
+                s.mode, s.fallback_reason = "full", reason
+        s.c += a + 1
+        n0 = len(s.out)
+        for t in drafts[:a] + [target[a]]:
+            s.out.append(t)
+            self._check_stop(s)
+            if s.finished:
+                break
+        stats.decode_tokens += len(s.out) - n0
+        s.carry = s.out[-1]
+        if s.finished:
+            self.cache.free(s.sid)
 
     # ---- proposal -----------------------------------------------------------------------------
     def _propose(self, plan_rows: list[tuple[_Seq, int]],
@@ -448,7 +453,27 @@ class Executor:
         drafts = torch.stack(out, 1).cpu().tolist()  # [B, kmax]
         return {s.sid: drafts[b][:kb] for b, (s, kb) in enumerate(plan_rows)}
 
-    # ---- full-context attention metadata ------------------------------------------------------
+    # ---- full-context attention -----------------------------------------------------------------
+    def _in_place_attention(self, rows: list[tuple[int, int, int]]):
+        """Attention over each row's whole context where it lies in the pool, for packed query
+        tokens: row (sid, c, q) has q new tokens at positions c .. c+q-1 (written first)."""
+        dev, bs, cache = self.m.device, self.block_size, self.cache
+        wslots, ctx, off = [], [], 0
+        for sid, c, q in rows:
+            table = cache.tables[sid]
+            wslots.extend(table[p // bs] * bs + p % bs for p in range(c, c + q))
+            ctx.append(attention.RowContext(offset=off, c=c, q=q, runs=cache.runs(sid, c + q)))
+            off += q
+        wslots = torch.tensor(wslots, dtype=torch.long, device=dev)
+        scale, groups, masks = self.m.scaling, self.groups, {}
+
+        def attend(layer, q, k, v):
+            cache.write(layer, wslots, k, v)
+            k_pool, v_pool = cache.layer_views(layer)
+            return attention.in_place(q, k_pool, v_pool, ctx, scale, groups, masks)
+
+        return attend
+
     def _full_meta(self, rows: list[tuple[int, int, int]]):
         """Attention over each row's whole block table, for packed query tokens: row (sid, c, q)
         has q new tokens at positions c .. c+q-1 (written into the pool first)."""

@@ -8,10 +8,16 @@ when their reference count drops to zero (a forked request shares its parent's f
 copy-on-fork for the partially filled last one). Block 0 is the null block: it is never handed
 out, padded table entries point at it, and nothing valid is ever read from it.
 
+Blocks are handed out as contiguous ascending runs where the pool allows (a table grows into the
+block after its last when that one is free), so a request's context is usually one run of slots,
+which attention reads in place as a strided view (`runs`, `kapc.runtime.attention`).
+
 The same code runs on CPU and CUDA (everything is a tensor on `device`).
 """
 
 from __future__ import annotations
+
+import bisect
 
 import torch
 
@@ -34,8 +40,8 @@ class PagedKVCache:
         shape = (num_layers, kv_heads, num_blocks, block_size, head_dim)
         self.k = torch.zeros(shape, device=self.device, dtype=dtype)
         self.v = torch.zeros(shape, device=self.device, dtype=dtype)
-        # free list as a stack whose top is the lowest id: fresh requests get ascending runs
-        self._free: list[int] = list(range(num_blocks - 1, 0, -1))
+        self._free: list[int] = list(range(1, num_blocks))  # ascending
+
         self._ref = [0] * num_blocks
         self.tables: dict[object, list[int]] = {}
 
@@ -55,14 +61,36 @@ class PagedKVCache:
         if not self._free:
             raise OutOfBlocks(f"KV pool exhausted ({self.capacity_blocks} blocks of "
                               f"{self.block_size} tokens); raise kv_blocks or lower the batch")
-        b = self._free.pop()
+        b = self._free.pop(0)
         self._ref[b] = 1
         return b
+
+    def _take_run(self, n: int, after: int | None) -> list[int]:
+        """n free blocks, contiguous where possible: the n following block `after`, else the
+        lowest free run of n, else the n lowest free blocks."""
+        free = self._free
+        start = None
+        if after is not None:
+            i = bisect.bisect_left(free, after + 1)
+            if i + n <= len(free) and free[i] == after + 1 and free[i + n - 1] == after + n:
+                start = i
+        if start is None:
+            for i in range(len(free) - n + 1):
+                if free[i + n - 1] - free[i] == n - 1:
+                    start = i
+                    break
+        if start is None:
+            return [self._take() for _ in range(n)]
+        run = free[start:start + n]
+        del free[start:start + n]
+        for b in run:
+            self._ref[b] = 1
+        return run
 
     def _release(self, b: int) -> None:
         self._ref[b] -= 1
         if self._ref[b] == 0:
-            self._free.append(b)
+            bisect.insort(self._free, b)
         elif self._ref[b] < 0:
             raise AssertionError(f"block {b} released twice")
 
@@ -78,8 +106,8 @@ class PagedKVCache:
         if need > len(self._free):
             raise OutOfBlocks(f"KV pool exhausted: {need} more blocks needed, "
                               f"{len(self._free)} free")
-        for _ in range(need):
-            table.append(self._take())
+        if need > 0:
+            table.extend(self._take_run(need, table[-1] if table else None))
         return table
 
     def free(self, seq) -> None:
@@ -106,6 +134,18 @@ class PagedKVCache:
     # ---- addressing -------------------------------------------------------------------------
     def table_tensor(self, seq) -> torch.Tensor:
         return torch.tensor(self.tables[seq], dtype=torch.long, device=self.device)
+
+    def runs(self, seq, n_tokens: int) -> tuple[tuple[int, int], ...]:
+        """The slots of positions [0, n_tokens) of `seq` as (first slot, length) runs, in order."""
+        bs, out = self.block_size, []
+        table = self.tables[seq]
+        for i in range(self.blocks_for(n_tokens)):
+            n = min(bs, n_tokens - i * bs)
+            if out and out[-1][0] + out[-1][1] == table[i] * bs:
+                out[-1][1] += n
+            else:
+                out.append([table[i] * bs, n])
+        return tuple((a, n) for a, n in out)
 
     def slots(self, seq, positions: torch.Tensor) -> torch.Tensor:
         """Slot mapping of logical `positions` (a long tensor on the cache's device)."""

@@ -58,3 +58,27 @@ def test_out_of_blocks():
         c.ensure("a", 9)
     c.free("a")
     c.check_no_leak()
+
+
+def test_tables_are_contiguous_runs_where_the_pool_allows():
+    c = make(blocks=16)
+    for seq in "abc":
+        c.add(seq)
+        c.ensure(seq, 8)  # two blocks each: 1-2, 3-4, 5-6
+    c.free("b")
+    c.ensure("a", 12)  # block 3 is free again: a grows into it
+    assert c.tables["a"] == [1, 2, 3] and c.runs("a", 12) == ((4, 12),)
+    c.ensure("c", 16)  # 7-8 follow c's last block
+    assert c.tables["c"] == [5, 6, 7, 8]
+    c.ensure("a", 20)  # 4 is free but 5 is not: the lowest free run of two, 9-10
+    assert c.tables["a"] == [1, 2, 3, 9, 10]
+    assert c.runs("a", 18) == ((4, 12), (36, 6))
+    # runs name exactly the slots of positions [0, n)
+    for seq, n in (("a", 18), ("c", 13)):
+        flat = [s for a, m in c.runs(seq, n) for s in range(a, a + m)]
+        assert flat == c.slots(seq, torch.arange(n)).tolist()
+    c.fork("a", "d", 6)  # shares block 1, copies the partial block 2 into the lowest free, 4
+    assert c.runs("d", 6) == ((4, 4), (16, 2))
+    for seq in "acd":
+        c.free(seq)
+    c.check_no_leak()
