@@ -190,6 +190,19 @@ def step_cost(profile, rows: list[tuple[int, int, float]], others: list[int]) ->
     return verify + draft + propose
 
 
+def step_forecast(profile, drafting: list[DraftRow], others: list[int]) -> tuple[float, float]:
+    """What the profile expects of one step in which each of `drafting` drafts its k and the
+    `others` decode one token: (seconds, seconds plain decoding would take for as many tokens).
+    Their sums over a run are the run's predicted speedup: what ran, as the profile sees it."""
+    B = len(drafting) + len(others)
+    if B == 0:
+        return 0.0, 0.0
+    tokens = sum(tokens_per_cycle(r.p, r.k) for r in drafting) + len(others)
+    mean_L = (sum(r.context for r in drafting) + sum(others)) / B
+    seconds = step_cost(profile, [(r.k, r.context, r.s) for r in drafting], others)
+    return seconds, tokens * profile.seconds("plain", B, mean_L) / B
+
+
 def plan_step(profile, rows: list[DraftRow], others: list[int],
               fixed: list[DraftRow] = ()) -> list[int]:
     """How many tokens each of `rows` drafts this step (0: none), for the most tokens per second

@@ -12,7 +12,7 @@ import pytest
 from kapc.lower.kapb import CostPrediction, FallbackPolicy, PlanHeader
 from kapc.policy import (AcceptanceMonitor, DraftRow, PolicyError, accepted_prefix, acceptance_rate,
                          admit, engine_blocks, estimated_p, parse_accept, plan_step, predict,
-                         predicted_speedup, tokens_per_cycle, visible_tokens)
+                         predicted_speedup, step_forecast, tokens_per_cycle, visible_tokens)
 from kapc.profile import AcceptanceFit, Profile, StepFit, StepSample, fit_steps, load_profile, save_profile
 
 
@@ -135,6 +135,10 @@ def test_step_policy_drafts_what_pays_for_the_batch():
     assert plan_step(per_row, [good], [], fixed=[poor]) == [4]
     # a row that cannot draft (`others`) still waits for the verification
     assert plan_step(per_row, [], [4096]) == []
+    # the forecast of a step that ran: its seconds, and plain's for as many tokens
+    assert step_forecast(prof, [DraftRow(p=0.8, k=3, s=0.1, context=4096)], []) == \
+        pytest.approx((0.025, 0.02952))
+    assert step_forecast(prof, [], [4096, 4096]) == pytest.approx((0.010, 0.010))
     # acceptance estimate: the plan's p worth 16 tries, then what the row shows
     assert estimated_p(0.5, 10, 20) == pytest.approx(18 / 36)
     assert estimated_p(0.9, 0, 0) == 0.9

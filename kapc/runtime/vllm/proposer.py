@@ -131,7 +131,9 @@ class KapProposer:
         self._fingerprint_error = ""
         self.states: dict[str, _ReqState] = {}  # by vLLM request id
         self.finished: dict[str, dict] = {}  # by tag, for requests no longer in the batch
-        self.timing = {"propose_s": 0.0, "draft_forwards": 0, "draft_rows": 0, "calls": 0}
+        # forecast_s / plain_forecast_s: the profile's view of the steps that ran (step policy)
+        self.timing = {"propose_s": 0.0, "draft_forwards": 0, "draft_rows": 0, "calls": 0,
+                       "forecast_s": 0.0, "plain_forecast_s": 0.0}
         # One record per engine step, for calibration: (entered, left, rows in the batch, rows
         # that drafted, draft forwards, seconds inside those forwards). The time from one call's
         # exit to the next call's entry is the rest of the step (verification forward, sampling,
@@ -356,7 +358,7 @@ class KapProposer:
             if max_steps < 1:
                 continue
             rows.append((row, st, P, blocks, max_steps))
-        if rows and self._profile is not None:
+        if self._profile is not None:
             rows = self._plan_step(rows, num_tokens_no_spec, n_rows)
         self._forward_s = 0.0
         if rows:
@@ -376,7 +378,7 @@ class KapProposer:
     def _plan_step(self, rows, num_tokens_no_spec, n_rows):
         """Keep, and cap the drafts of, the rows whose drafting pays for the whole batch this
         step (kapc.policy.plan_step, from the profile and each row's observed acceptance)."""
-        from kapc.policy import DraftRow, estimated_p, plan_step
+        from kapc.policy import DraftRow, estimated_p, plan_step, step_forecast
 
         def as_draft_row(st, P, budget):
             return DraftRow(p=estimated_p(st.prior_p, st.accepted, st.tried), k=budget,
@@ -394,7 +396,13 @@ class KapProposer:
                 kept.append((row, st, P, blocks, min(budget, k)))
             else:
                 st.held += 1
-        return sorted(kept, key=lambda r: r[0])
+                others.append(P + 1)
+        kept.sort(key=lambda r: r[0])
+        seconds, plain = step_forecast(self._profile,
+                                       [as_draft_row(st, P, b) for _, st, P, _, b in kept], others)
+        self.timing["forecast_s"] += seconds
+        self.timing["plain_forecast_s"] += plain
+        return kept
 
     def _draft(self, rows, token_ids_cpu) -> list[list[int]]:
         """Up to max_steps drafts per row, one batched forward per draft step for every row
