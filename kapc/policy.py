@@ -161,7 +161,9 @@ class DraftRow:
 
 def estimated_p(prior_p: float, accepted: int, tried: int, weight: float = 16.0) -> float:
     """A row's per-draft acceptance: the plan's prediction, worth `weight` tries, updated with
-    what the row has shown (accepted drafts over drafts tried)."""
+    what the row has shown (accepted drafts over drafts tried). A lighter prior (4 tries) was
+    measured to hold good top-3 rows after one unlucky cycle (8K x 4: 1.32x -> 0.87x) and
+    to save greedy rows nothing."""
     return (weight * prior_p + accepted) / (weight + tried)
 
 
