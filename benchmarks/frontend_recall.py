@@ -26,7 +26,9 @@ Variants:
                    differs from them
 
 Reported per length and variant: mean recall of gold paragraphs, the share of questions with
-every gold paragraph kept, and the mean share of passages kept. --jsonl keeps per-question rows
+every gold paragraph kept, the mean share of passages kept, and the mean retained ratio s (the
+tokens select keeps over the prompt's). `--select keep-top=N` (or `min-prior=x`) measures
+evidence-driven selection, where the budget is only a ceiling. --jsonl keeps per-question rows
 (and --resume continues a run from them). Speed: shorter prompts are prefixes of longer ones and
 every model output is cached per text (in-process, and on disk in the --memo file), torch runs on
 one thread (--threads), the dense encoder under bf16 autocast (--fp32 turns that off).
@@ -82,11 +84,12 @@ def _variant(prior, name: str):
     return msgspec.structs.replace(prior, units=units)
 
 
-def _selected(prior, passes, ctx) -> tuple[set[str], int]:
+def _selected(prior, passes, ctx) -> tuple[set[str], float]:
+    """The passages `select` keeps, and the share of the prompt's tokens it keeps (s)."""
     from kapc.ingest import module_from_prior
     from kapc.pipeline import run_pipeline
     out = run_pipeline(module_from_prior(prior), passes, ctx, verify=False).module
-    return {k.id for k in out.keep if k.why == "evidence"}, out.prompt.tokens
+    return {k.id for k in out.keep if k.why == "evidence"}, out.select.kept / out.prompt.tokens
 
 
 def run_one(index: int, length: int, passes, ctx) -> dict:
@@ -114,12 +117,13 @@ def run_one(index: int, length: int, passes, ctx) -> dict:
     row = {"index": index, "id": lc.question_id, "length": length,
            "prompt_tokens": lc.prompt_tokens, "passages": len(passages), "gold": sorted(gold),
            "build_s": round(t1 - t0, 3), "frontend_s": round(t2 - t1, 3), "recall": {},
-           "kept": {}}
+           "kept": {}, "s": {}}
     for v in variants():
         prior = priors["graph" if v in BASE else v.removesuffix("-ppr")]
-        kept, _ = _selected(_variant(prior, v), passes, ctx)
+        kept, s = _selected(_variant(prior, v), passes, ctx)
         row["recall"][v] = len(gold & kept) / len(gold)
         row["kept"][v] = len(kept)
+        row["s"][v] = s
     row["compile_s"] = round(time.perf_counter() - t2, 3)
     row["cpu_s"] = round(time.process_time() - c0, 3)  # this process's CPU time, all threads
     return row
@@ -135,6 +139,7 @@ def summarize(rows: list[dict], lengths: list[int]) -> str:
     table.add_column("recall", justify="right")
     table.add_column("all gold kept", justify="right")
     table.add_column("passages kept", justify="right")
+    table.add_column("s", justify="right")
     lines = []
     for n in lengths:
         rs = [r for r in rows if r["length"] == n]
@@ -145,8 +150,10 @@ def summarize(rows: list[dict], lengths: list[int]) -> str:
             rec = sum(r["recall"][v] for r in rs) / len(rs)
             full = sum(r["recall"][v] == 1.0 for r in rs) / len(rs)
             kept = sum(r["kept"][v] / r["passages"] for r in rs) / len(rs)
-            table.add_row(str(n), str(len(rs)), v, f"{rec:.3f}", f"{full:.3f}", f"{kept:.3f}")
-            lines.append(f"{n}\t{len(rs)}\t{v}\t{rec:.4f}\t{full:.4f}\t{kept:.4f}")
+            ss = [r["s"][v] for r in rs if v in r.get("s", {})]
+            s = f"{sum(ss) / len(ss):.3f}" if ss else "-"
+            table.add_row(str(n), str(len(rs)), v, f"{rec:.3f}", f"{full:.3f}", f"{kept:.3f}", s)
+            lines.append(f"{n}\t{len(rs)}\t{v}\t{rec:.4f}\t{full:.4f}\t{kept:.4f}\t{s}")
     Console(file=sys.stdout, width=120).print(table)
     return "\n".join(lines)
 
@@ -159,6 +166,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lengths", default="4096,8192", help="prompt lengths in tokens")
     ap.add_argument("--budget-ratio", type=float, default=0.1,
                     help="select budget as a share of the prompt (default 0.1)")
+    ap.add_argument("--select", default="",
+                    help="more select options, e.g. 'keep-top=4' or 'min-prior=0.6' "
+                         "(evidence-driven selection; the budget is then a ceiling)")
     ap.add_argument("--jsonl", type=Path, help="write per-question rows here")
     ap.add_argument("--resume", action="store_true", help="skip rows already in --jsonl")
     ap.add_argument("--fp32", action="store_true", help="dense encoder in float32 (slower)")
@@ -186,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     from kapc.passes import CompileContext
     from kapc.pipeline import parse_pipeline
 
-    passes = parse_pipeline(f"ground,align-spans,select{{budget-ratio={args.budget_ratio}}}")
+    options = ",".join(o for o in (f"budget-ratio={args.budget_ratio}", args.select) if o)
+    passes = parse_pipeline(f"ground,align-spans,select{{{options}}}")
     ctx = CompileContext()
     rows: list[dict] = []
     done: set[tuple[int, int]] = set()
@@ -219,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     per_q = (f", per question (all lengths) {wall / questions:.2f}s wall, {cpu / questions:.2f}s "
              f"CPU" if questions else "")
     print(f"# {len(rows)} (question, length) rows, {len(todo)} computed in {wall:.0f}s this run"
-          f"{per_q}; budget-ratio {args.budget_ratio}, dense precision "
+          f"{per_q}; select{{{options}}}, dense precision "
           f"{os.environ.get('KAPC_DENSE_PRECISION', 'float32')}, torch threads {args.threads}, "
           f"memo {os.environ.get('KAPC_FRONTEND_MEMO', 'off')}")
     summarize(rows, lengths)

@@ -10,6 +10,11 @@ are `resolve-pages`' business.
 The budget is `budget-tokens`, or `budget-ratio` of the prompt when that is not given. A budget
 that covers the whole prompt, or one below the mandatory tokens, is an error: both mean a plan
 cannot help.
+
+Evidence-driven selection: `keep-top=N` keeps at most the N best passages, and `min-prior=x`
+only passages whose prior is at least x; the budget is then a ceiling, not a target. A fixed
+fraction of the prompt grows with the context around the same evidence; the evidence does not,
+so with these options s falls as the context grows (EarlySelectKV: 40% at 4K to 5.5% at 128K).
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ class Select(Pass):
     budget_ratio: float = 0.2
     sink: int = 4
     window: int = 32
+    keep_top: int = 0  # 0: as many passages as the budget allows
+    min_prior: float = 0.0
 
     def budget(self, prompt_tokens: int) -> int:
         if self.budget_tokens:
@@ -41,12 +48,14 @@ class Select(Pass):
         return math.floor(self.budget_ratio * prompt_tokens)
 
     def option_problem(self) -> str | None:
-        for name in ("budget_tokens", "sink", "window"):
+        for name in ("budget_tokens", "sink", "window", "keep_top"):
             if not 0 <= getattr(self, name) <= MAX_PROMPT_TOKENS:
                 return (f"{name.replace('_', '-')} must be within 0..{MAX_PROMPT_TOKENS}, not "
                         f"{getattr(self, name)}")
         if not 0.0 < self.budget_ratio <= 1.0:
             return f"budget-ratio must be within (0, 1], not {self.budget_ratio}"
+        if not 0.0 <= self.min_prior <= 1.0:
+            return f"min-prior must be within [0, 1] (priors are), not {self.min_prior}"
         return None
 
     def run(self, module: ir.Module, ctx: CompileContext) -> ir.Module:
@@ -85,13 +94,16 @@ class Select(Pass):
         order = sorted(enumerate(module.evidence), key=lambda ie: (-ie[1].prior, ie[0]))
         dropped = []
         used = mandatory
+        taken = 0
         for _, ev in order:
             span = spans[ev.id].tokens
             cost = len(span) - int(np.count_nonzero(mask[span.start:span.end]))
-            if used + cost <= budget:
+            wanted = (not self.keep_top or taken < self.keep_top) and ev.prior >= self.min_prior
+            if wanted and used + cost <= budget:
                 keeps.append(ir.Keep(id=ev.id, tokens=span, why="evidence", prior=ev.prior))
                 mask[span.start:span.end] = True
                 used += cost
+                taken += 1
             else:
                 dropped.append(ev.id)
         keeps.sort(key=lambda k: (k.tokens.start, k.tokens.end))

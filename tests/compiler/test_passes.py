@@ -89,6 +89,34 @@ def test_best_passage_that_fits_is_kept(ctx):
     assert best.id in {k.id for k in m.keep if k.why == "evidence"}
 
 
+@pytest.mark.parametrize("path", CASES, ids=lambda p: p.name.split(".")[0])
+def test_select_keeps_the_evidence_not_a_fraction(path, ctx):
+    """keep-top=N keeps the N best passages (the budget a ceiling only); min-prior drops the
+    passages below it; both keep everything decoding needs."""
+    wide = compiled(path, ctx, "ground,align-spans,select{budget-ratio=0.9}")
+    prior = {e.id: e.prior for e in wide.evidence}
+    best = sorted(prior, key=lambda i: -prior[i])
+    for n in (1, 2):
+        m = compiled(path, ctx, f"ground,align-spans,select{{budget-ratio=0.9,keep-top={n}}}")
+        chosen = [k.id for k in m.keep if k.why == "evidence"]
+        assert sorted(chosen) == sorted(best[:n])
+        assert {k.why for k in m.keep} >= {"sink", "window", "question"}
+        assert m.select.kept <= wide.select.kept
+    cut = sorted(prior.values())[len(prior) // 2]
+    m = compiled(path, ctx, f"ground,align-spans,select{{budget-ratio=0.9,min-prior={cut}}}")
+    chosen = {k.id for k in m.keep if k.why == "evidence"}
+    assert chosen == {i for i, p in prior.items() if p >= cut}
+
+
+def test_select_evidence_options_are_checked():
+    from kapc.passes.base import PassError
+
+    with pytest.raises(PassError, match="min-prior must be within"):
+        parse_pipeline("ground,align-spans,select{min-prior=1.5}")
+    with pytest.raises(PassError, match="keep-top must be within"):
+        parse_pipeline("ground,align-spans,select{keep-top=-1}")
+
+
 @pytest.mark.parametrize("bs", [16, 32, 128])
 def test_pages_cover_every_kept_token_and_the_tail(bs, ctx):
     m = compiled(CASES[0], ctx, f"ground,align-spans,select,resolve-pages{{block-size={bs}}}")
