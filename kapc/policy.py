@@ -171,21 +171,18 @@ def step_cost(profile, rows: list[tuple[int, int, float]], others: list[int]) ->
     """Seconds of one engine step in which each of `rows` (k, context, s) drafts k tokens and is
     verified, and each of `others` (context) decodes one token."""
     drafting = [(k, L, s) for k, L, s in rows if k > 0]
-    B = len(rows) + len(others)
+    contexts = [L for _, L, _ in rows] + list(others)
+    B = len(contexts)
     if not drafting:  # a step of a speculating engine with nothing to verify
         kind = "resting" if "resting" in profile.fits else "plain"
-        return profile.seconds(kind, B, sum(L for _, L, _ in rows) / max(1, B)
-                               + sum(others) / max(1, B))
-    # verification: the fitted features summed over rows (1, B, sum q, sum L, sum q*L)
-    fit = profile.fits["verify"]
+        return profile.seconds(kind, B, sum(contexts) / max(1, B))
+    # verification: the fitted features summed over rows that differ in q and context
     q = [k + 1 for k, _, _ in rows] + [1] * len(others)
-    L = [L for _, L, _ in rows] + list(others)
-    feats = {"1": 1.0, "B": float(B), "Bq": float(sum(q)), "BV": float(sum(L)),
-             "BqV": float(sum(a * b for a, b in zip(q, L)))}
-    verify = sum(c * feats[f] for f, c in zip(fit.features, fit.coef))
-    kmax = max(k for k, _, _ in drafting)
+    verify = profile.seconds_of("verify", {
+        "1": 1.0, "B": float(B), "Bq": float(sum(q)), "BV": float(sum(contexts)),
+        "BqV": float(sum(a * b for a, b in zip(q, contexts)))})
     draft = 0.0
-    for j in range(kmax):  # draft step j runs the rows still drafting
+    for j in range(max(k for k, _, _ in drafting)):  # draft step j runs the rows still drafting
         live = [(L, s) for k, L, s in drafting if k > j]
         draft += profile.seconds("draft", len(live), sum(s * L for L, s in live) / len(live))
     propose = profile.seconds("propose", len(drafting), 0) if "propose" in profile.fits else 0.0

@@ -98,14 +98,25 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
                            self.threads)
 
     def seconds(self, kind: str, batch: int, visible: float, query: int = 1) -> float:
-        """The fitted time of one step of `kind`."""
+        """The fitted time of one step of `kind` whose `batch` rows each have `query` tokens over
+        `visible` context tokens."""
+        return self.seconds_of(kind, feature_values(batch, query, visible))
+
+    def seconds_of(self, kind: str, values: dict[str, float]) -> float:
+        """The fitted time of one step of `kind` from its feature values (`feature_values`, or
+        sums over rows that differ in query and context length)."""
         fit = self.fits.get(kind)
         if fit is None:
             raise ProfileError(f"profile {self.key} has no {kind!r} step model; recalibrate")
-        values = {"1": 1.0, "B": batch, "Bq": batch * query, "BV": batch * visible,
-                  "BqV": batch * query * visible}
         # plain Python: the runtime asks this many times per engine step
         return float(sum(c * values[f] for f, c in zip(fit.features, fit.coef)))
+
+
+def feature_values(batch: float, query: float, visible: float) -> dict[str, float]:
+    """The step-time features of `batch` rows of `query` tokens over `visible` context tokens:
+    each is a sum over rows (B rows, B*q query tokens, B*V context tokens, B*q*V)."""
+    return {"1": 1.0, "B": batch, "Bq": batch * query, "BV": batch * visible,
+            "BqV": batch * query * visible}
 
 
 def profile_key(engine: str, fingerprint: str, dtype: str, device: str, threads: int) -> str:
@@ -119,8 +130,7 @@ def profiles_dir() -> Path:
 
 
 def _features(names, batch: float, query: float, visible: float) -> np.ndarray:
-    values = {"1": 1.0, "B": batch, "Bq": batch * query, "BV": batch * visible,
-              "BqV": batch * query * visible}
+    values = feature_values(batch, query, visible)
     return np.array([values[n] for n in names], dtype=np.float64)
 
 

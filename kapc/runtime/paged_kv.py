@@ -41,7 +41,6 @@ class PagedKVCache:
         self.k = torch.zeros(shape, device=self.device, dtype=dtype)
         self.v = torch.zeros(shape, device=self.device, dtype=dtype)
         self._free: list[int] = list(range(1, num_blocks))  # ascending
-
         self._ref = [0] * num_blocks
         self.tables: dict[object, list[int]] = {}
 
