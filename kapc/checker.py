@@ -17,7 +17,7 @@ from kapc.intervals import union
 from kapc.ir import Module
 from kapc.limits import MAX_BATCH, MAX_BLOCK_SIZE, MAX_K, MAX_PROMPT_TOKENS
 from kapc.parse import SourceMap
-from kapc.policy import PolicyError, parse_accept
+from kapc.policy import PolicyError, access_policy, access_problem, parse_accept
 
 # Which statements each pass writes: a module that says a pass ran must hold them, and one that
 # holds them must say it ran.
@@ -25,7 +25,7 @@ WRITES = {
     "align-spans": ("target", "prompt"),
     "select": ("select",),
     "resolve-pages": ("pages",),
-    "compact": ("view", "verify", "fallback", "cost"),
+    "compact": ("view", "verify", "access", "fallback", "cost"),
 }
 ORDER = ("ground", "align-spans", "select", "resolve-pages", "compact")
 REQUIRES = {"select": ("ground", "align-spans"), "resolve-pages": ("select",),
@@ -223,6 +223,9 @@ def _compact(m: Module) -> Iterator[Problem]:
         yield ("verify", 0), f"verify: accept={ver.accept} is not greedy or top2..top9"
     if not 1 <= ver.k <= MAX_K:
         yield ("verify", 0), f"verify: k={ver.k} outside 1..{MAX_K}"
+    problem = access_problem(access_policy(m.access))
+    if problem:
+        yield ("access", 0), f"access: {problem}"
     if not (0.0 <= fb.max_retained <= 1.0 and 0.0 <= fb.min_acceptance <= 1.0):
         yield ("fallback", 0), "fallback: max_retained and min_acceptance must lie in [0, 1]"
     if not 1 <= fb.acceptance_window <= 1_000_000:

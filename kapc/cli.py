@@ -137,7 +137,8 @@ def inspect(
         "prompt_hash": h.prompt_hash, "block_size": h.block_size,
         "selected_blocks": p.selected_blocks.tolist(), "visible_prompt_tokens": h.visible_prompt_tokens,
         "retained_ratio": h.retained_ratio, "padded_blocks": h.padded_blocks, "k": h.k,
-        "accept": h.accept, "fallback": _struct_dict(h.fallback), "cost": _struct_dict(h.cost),
+        "accept": h.accept, "access": _struct_dict(h.access), "fallback": _struct_dict(h.fallback),
+        "cost": _struct_dict(h.cost),
     }
     if as_json:
         typer.echo(json.dumps(info))
@@ -313,6 +314,34 @@ def calibrate(
     typer.echo(f"kapc: profile written to {path}", err=True)
     if plot:
         typer.echo(f"kapc: plot written to {plot_profile(prof, plot)}", err=True)
+
+
+@app.command("calibrate-proxy")
+def calibrate_proxy_cmd(
+    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the calibration (JSON).")],
+    questions: Annotated[int, typer.Option(help="HotpotQA calibration questions (dev 1000 on).")] = 4,
+    context: Annotated[int, typer.Option(help="Prompt length in tokens.")] = 4096,
+    budget: Annotated[float, typer.Option(help="Retained ratio the dynamic choice may read.")] = 0.15,
+    tokens: Annotated[int, typer.Option(help="Tokens decoded per question.")] = 32,
+    block_size: BlockSizeOpt = None,
+    model: ModelOpt = None,
+) -> None:
+    """Measure which EarlySelectKV proxy picks each layer's pages best, for compact{proxy=es-mix}."""
+    from kapc.files import check_output
+    from kapc.proxy_mix import save_mix
+    from kapc.runtime.model import load_model
+    from kapc.runtime.proxy_calibration import calibrate_proxy
+
+    check_output(output, "--output")
+    if not 0.0 < budget <= 1.0 or questions < 1 or tokens < 2:
+        raise KapcError("--budget lies in (0, 1]; --questions is at least 1, --tokens at least 2")
+    mix = calibrate_proxy(load_model(model), questions=questions, context=context, budget=budget,
+                          tokens=tokens, block_size=block_size or 16,
+                          progress=lambda msg: typer.echo(f"kapc: {msg}", err=True))
+    typer.echo("layer  es-in  es-mid  choice")
+    for i, (a, b, c) in enumerate(zip(mix.overlap_in, mix.overlap_mid, mix.mix)):
+        typer.echo(f"{i:>5}  {a:.3f}  {b:.3f}   {c}")
+    typer.echo(f"kapc: proxy calibration written to {save_mix(mix, output)}", err=True)
 
 
 @schema_app.command("prior")

@@ -14,6 +14,7 @@ A module grows stage by stage; each pass fills in its own statements and never e
     pages      KV pages of the engine's block size, retained ratio        (resolve-pages)
     view       the compact selected-KV view the proposal reads            (compact)
     verify     proposal length and acceptance rule                        (compact)
+    access     which pages the proposal reads: the plan's, the query's, both  (compact)
     fallback   when the runtime falls back to full-context decoding       (compact)
     cost       the cost model's prediction                                (compact)
 
@@ -150,6 +151,26 @@ class Verify(Node, kw_only=True):
     accept: Word  # "greedy" or "top{N}"
 
 
+AccessMode = Literal["static", "dynamic", "hybrid"]
+Proxy = Literal["query", "es-in", "es-mid", "es-mix"]
+
+
+class Access(Node, kw_only=True):
+    """The access policy (kapc.lower.kapb.AccessPolicy says what each value means): `static`
+    reads the plan's pages; `dynamic` the pages the draft's query picks from per-page key bounds,
+    `budget` of the prompt in all; `hybrid` the plan's pages plus the query's best, `budget` in
+    all. `mix` (proxy es-mix) holds "in" or "mid" per layer, read from the calibration file
+    `mix_file` (its digest in `mix_digest`)."""
+
+    mode: AccessMode
+    budget: float | None = None
+    proxy: Proxy = "query"
+    refresh: Literal["cycle"] = "cycle"
+    mix: tuple[Literal["in", "mid"], ...] = ()
+    mix_file: str | None = None
+    mix_digest: str | None = None
+
+
 class Fallback(Node, kw_only=True):
     max_retained: float
     min_acceptance: float
@@ -188,6 +209,7 @@ class Module(Node, kw_only=True):
     pages: Pages | None = None
     view: View | None = None
     verify: Verify | None = None
+    access: Access | None = None
     fallback: Fallback | None = None
     cost: Cost | None = None
 

@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
+import msgspec
 import numpy as np
 
 from kapc.errors import KapcError, excerpt
@@ -274,6 +275,76 @@ def admit(header, *, retained: float, k: int | None = None, engine_k: int | None
         return fallback(f"the cost model predicts no gain (speedup {cost.speedup:.2f}x at "
                         f"s={cost.s:.3f}, h={cost.h:.2f}, batch {cost.batch})")
     return Admission(k=kk, topn=topn, accept=rule)
+
+
+# ---- query-aware access -----------------------------------------------------------------------
+
+ACCESS_MODES = ("static", "dynamic", "hybrid")
+PROXIES = ("query", "es-in", "es-mid", "es-mix")
+REFRESHES = ("cycle",)
+
+
+class AccessPolicy(msgspec.Struct, frozen=True, kw_only=True):
+    """Which prompt pages the proposal reads (kapc.runtime.selection does the choosing;
+    plans carry one in their header):
+
+    - `static`: the plan's pages (`selected_blocks`);
+    - `dynamic`: pages chosen from the draft's own query against per-page key bounds, up to
+      `budget` (a retained ratio of the prompt), plus the attention sink and the tail;
+    - `hybrid`: the plan's pages plus the query's best pages, `budget` in all (never fewer
+      than the plan's own).
+
+    `proxy` is the query the choice is made from: `query` (each layer's true query), `es-in` or
+    `es-mid` (the previous layer's input or post-attention state through this layer's query
+    projection, EarlySelectKV), or `es-mix` (a per-layer choice between the two, `mix`, from an
+    offline calibration). `refresh`: how often the choice is made (`cycle`: once per draft cycle,
+    from the query of the token the cycle starts from)."""
+
+    mode: str = "static"
+    budget: float = 0.0
+    proxy: str = "query"
+    refresh: str = "cycle"
+    mix: tuple[str, ...] = ()  # es-mix: "in" or "mid" per layer (layer 0 always uses its query)
+
+
+
+def access_policy(a) -> AccessPolicy:
+    """The policy of a `.kap` `access` statement (kapc.ir.Access); None (a module compacted
+    before access policies existed) is static."""
+    if a is None:
+        return AccessPolicy()
+    return AccessPolicy(mode=a.mode, budget=a.budget or 0.0, proxy=a.proxy, refresh=a.refresh,
+                        mix=tuple(a.mix))
+
+
+def access_problem(access, num_layers: int | None = None) -> str | None:
+    """The first thing wrong with an `AccessPolicy`, or None."""
+    if access.mode not in ACCESS_MODES:
+        return f"access mode {excerpt(access.mode)} is not one of {', '.join(ACCESS_MODES)}"
+    if access.proxy not in PROXIES:
+        return f"access proxy {excerpt(access.proxy)} is not one of {', '.join(PROXIES)}"
+    if access.refresh not in REFRESHES:
+        return f"access refresh {excerpt(access.refresh)} is not one of {', '.join(REFRESHES)}"
+    if access.mode != "static" and not 0.0 < access.budget <= 1.0:
+        return f"access budget {access.budget} must lie in (0, 1] for a {access.mode} policy"
+    if any(m not in ("in", "mid") for m in access.mix):
+        return "access mix lists 'in' or 'mid' per layer"
+    if access.proxy == "es-mix":
+        if not access.mix:
+            return "access proxy es-mix needs a per-layer mix"
+        if num_layers is not None and len(access.mix) != num_layers:
+            return f"access mix has {len(access.mix)} layers, the model {num_layers}"
+    return None
+
+
+def access_keep_blocks(access, prompt_tokens: int, block_size: int, forced: int) -> int:
+    """How many full prompt blocks (those before the tail block) a dynamic or hybrid proposal
+    reads: as many as keep the visible prompt, tail included, within the budget, and never fewer
+    than the `forced` ones (the sink; a hybrid plan's own pages)."""
+    tail = (prompt_tokens - 1) // block_size
+    tail_tokens = prompt_tokens - tail * block_size
+    keep = int((access.budget * prompt_tokens - tail_tokens) // block_size)
+    return max(forced, min(keep, tail))
 
 
 # ---- monitoring -----------------------------------------------------------------------------

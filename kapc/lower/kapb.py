@@ -31,9 +31,11 @@ import numpy as np
 from kapc.errors import KapcError
 from kapc.files import read_input, write_output
 from kapc.limits import MAX_BATCH, MAX_BLOCK_SIZE, MAX_K, MAX_PROMPT_TOKENS
+from kapc.policy import AccessPolicy, access_problem
 
 MAGIC = b"KAPB\x00\r\n\x1a"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the header's access policy (a version-1 plan reads as static access)
+READS_VERSIONS = (1, 2)
 _PREFIX = struct.Struct("<8sIIQ32s")  # magic, version, header length, total length, sha256
 _ALIGN = 64
 
@@ -93,6 +95,7 @@ class PlanHeader(msgspec.Struct, frozen=True, kw_only=True):
     fallback: FallbackPolicy
     cost: CostPrediction
     arrays: tuple[ArrayRef, ...] = ()
+    access: AccessPolicy = AccessPolicy()
 
 
 class Plan(msgspec.Struct, frozen=True, kw_only=True):
@@ -165,11 +168,11 @@ def decode_plan(data: bytes | memoryview, source: str = "<kapb>") -> Plan:
     magic, version, head_len, total, digest = _PREFIX.unpack_from(buf)
     if magic != MAGIC:
         raise KapbError(f"{source}: not a .kapb file (bad magic {bytes(magic)!r})")
-    if version != FORMAT_VERSION:
+    if version not in READS_VERSIONS:
         newer = "newer than this kapc reads; upgrade kapc" if version > FORMAT_VERSION else \
             "too old; recompile the plan"
         raise KapbError(f"{source}: format version {version} is {newer} (this kapc reads "
-                        f"version {FORMAT_VERSION})")
+                        f"versions {', '.join(map(str, READS_VERSIONS))})")
     if len(buf) != total:
         what = "truncated" if len(buf) < total else "has trailing bytes"
         raise KapbError(f"{source}: {what}: {len(buf)} bytes, the header says {total}")
@@ -252,6 +255,9 @@ def plan_problem(plan: Plan) -> str | None:
         return f"cost: p={c.p} must lie in [0, 1]"
     if not (0.0 <= c.h <= 1.0 and abs(c.s - h.retained_ratio) <= 1e-6):
         return f"cost: h={c.h} must lie in [0, 1] and s={c.s} equal retained_ratio"
+    access = access_problem(h.access)
+    if access:
+        return access
     if c.k != h.k or not 1 <= c.batch <= MAX_BATCH or c.weight_bytes < 0 or c.kv_bytes < 0:
         return (f"cost: k={c.k} must be the plan's ({h.k}), batch={c.batch} within 1..{MAX_BATCH}, "
                 f"byte counts not negative")

@@ -12,6 +12,7 @@ from kapc import __version__
 from kapc.ir import Module
 from kapc.lower.kapb import (CostPrediction, FallbackPolicy, KapbError, PlanHeader, decode_plan,
                              encode_plan)
+from kapc.policy import access_policy
 from kapc.passes.base import CompileContext
 from kapc.errors import KapcError
 
@@ -60,7 +61,8 @@ def lower_module(module: Module, ctx: CompileContext) -> bytes:
                                 on_predicted_loss=f.on_predicted_loss),
         cost=CostPrediction(weight_bytes=c.weight_bytes, kv_bytes=c.kv_bytes, batch=c.batch, s=c.s,
                             h=c.h, k=c.k, speedup=c.speedup, pays=c.pays, basis=c.basis,
-                            break_even=c.break_even, p=c.p))
+                            break_even=c.break_even, p=c.p),
+        access=access_policy(module.access))
     data = encode_plan(header, tokens.ids, blocks, positions)
     try:
         decode_plan(data, f"plan {name!r}")  # the reader's consistency checks, at the writer

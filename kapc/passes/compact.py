@@ -28,7 +28,7 @@ from kapc import ir
 from kapc.errors import excerpt
 from kapc.limits import MAX_BATCH, MAX_K
 from kapc.passes.base import CompileContext, Pass, PassError
-from kapc.policy import MAX_TOPN, PolicyError, parse_accept, predict
+from kapc.policy import MAX_TOPN, AccessPolicy, PolicyError, access_problem, parse_accept, predict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,10 @@ class Compact(Pass):
     acceptance_window: int = 32
     on_predicted_loss: bool = True
     profile: str = "auto"  # auto, none, or the path of a profile file
+    access: str = "static"  # static, dynamic or hybrid (kapc.lower.kapb.AccessPolicy)
+    access_budget: float = 0.15  # dynamic and hybrid: retained ratio of the prompt in all
+    proxy: str = "query"  # query, es-in, es-mid or es-mix
+    mix: str = ""  # es-mix: the calibration file (`kapc calibrate-proxy`)
 
     def option_problem(self) -> str | None:
         if self.k != "auto" and not (isinstance(self.k, int) and 1 <= self.k <= MAX_K):
@@ -62,7 +66,13 @@ class Compact(Pass):
             return f"dtype-bytes must be 1, 2, 4 or 8, not {self.dtype_bytes}"
         if not 1 <= self.acceptance_window <= 1_000_000:
             return f"acceptance-window must be within 1..1000000, not {self.acceptance_window}"
-        return None
+        if self.proxy == "es-mix" and not self.mix:
+            return "proxy=es-mix needs mix=FILE (a proxy calibration, `kapc calibrate-proxy`)"
+        return access_problem(self._access_policy(mix=("in",) if self.mix else ()))
+
+    def _access_policy(self, mix: tuple[str, ...] = ()) -> AccessPolicy:
+        return AccessPolicy(mode=self.access, budget=self.access_budget, proxy=self.proxy,
+                            mix=mix)
 
     def run(self, module: ir.Module, ctx: CompileContext) -> ir.Module:
         pages, target, n = module.pages, module.target, module.prompt.tokens
@@ -91,10 +101,30 @@ class Compact(Pass):
                        break_even=pred.break_even, by_k=pred.by_k)
         return msgspec.structs.replace(
             module, view=view, verify=ir.Verify(k=pred.k, accept=self.accept),
+            access=self._access(target.fingerprint),
             fallback=ir.Fallback(max_retained=self.max_retained, min_acceptance=round(floor, 6),
                                  acceptance_window=self.acceptance_window,
                                  on_predicted_loss=self.on_predicted_loss),
             cost=cost)
+
+    def _access(self, fingerprint: str) -> ir.Access:
+        if self.access == "static":
+            return ir.Access(mode="static")
+        mix = file = digest = None
+        if self.proxy == "es-mix":
+            from kapc.errors import KapcError
+            from kapc.proxy_mix import load_mix
+
+            try:
+                found = load_mix(self.mix)
+            except KapcError as exc:
+                raise PassError(f"compact: {exc}") from None
+            if found.model_fingerprint != fingerprint:
+                raise PassError(f"compact: proxy calibration {self.mix} was made for another "
+                                f"model ({found.model}, {found.model_fingerprint[:19]})")
+            mix, file, digest = found.mix, self.mix, found.digest
+        return ir.Access(mode=self.access, budget=self.access_budget, proxy=self.proxy,
+                         mix=mix or (), mix_file=file, mix_digest=digest)
 
     def _profile(self, ctx: CompileContext, fingerprint: str):
         from kapc.profile import ProfileError, find_profile, load_profile

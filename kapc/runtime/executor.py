@@ -31,9 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from kapc.lower.kapb import Plan, PlanMismatch, check_plan_matches, prompt_hash
-from kapc.policy import (AcceptanceMonitor, accepted_prefix, admit, engine_blocks, parse_accept,
-                         visible_tokens)
-from kapc.runtime import attention
+from kapc.policy import (AccessPolicy, AcceptanceMonitor, PolicyError, access_keep_blocks,
+                         access_problem,
+                         accepted_prefix, admit, engine_blocks, parse_accept, visible_tokens)
+from kapc.runtime import attention, selection
 from kapc.runtime.model import RuntimeModel
 from kapc.runtime.paged_kv import NULL_BLOCK, PagedKVCache, Workspace
 
@@ -49,6 +50,7 @@ class Request:
     k: int | None = None  # overrides the plan's proposal length
     req_id: object = None
     ignore_eos: bool = False  # decode exactly max_tokens (benchmarks compare equal lengths)
+    access: AccessPolicy | None = None  # overrides the plan's access policy
 
 
 @dataclass
@@ -72,6 +74,7 @@ class RequestResult:
     prefill_s: float
     speedup_predicted: float | None
     accepted_per_pos: list[int] = field(default_factory=list)  # cycles accepting >= j+1 drafts
+    access: str = "static"  # the access policy the proposal ran under
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -89,6 +92,10 @@ class BatchStats:
     proposal_s: float = 0.0
     verify_s: float = 0.0
     gather_s: float = 0.0  # K/V gathers (inside proposal and verification)
+    select_s: float = 0.0  # query-aware page choice (inside proposal): scoring and routing
+    select_calls: int = 0  # layer choices made (one per layer per cycle with dynamic rows)
+    # proxy quality: per layer, [true-query picks the proxy also picked, true-query picks]
+    overlap: dict = field(default_factory=dict)
     cycles: int = 0
     draft_forwards: int = 0
     verify_forwards: int = 0
@@ -98,8 +105,12 @@ class BatchStats:
     def other_s(self) -> float:
         return max(0.0, self.decode_s - self.proposal_s - self.verify_s)
 
+    def overlap_by_layer(self) -> dict[int, float]:
+        return {l: hit / total for l, (hit, total) in sorted(self.overlap.items()) if total}
+
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["overlap"] = self.overlap_by_layer()
         d["other_s"] = self.other_s
         d["decode_tok_per_s"] = self.decode_tokens / self.decode_s if self.decode_s else None
         return d
@@ -120,6 +131,10 @@ class _Seq:
     visible_positions: torch.Tensor | None = None  # the plan's prompt positions on this cache
     visible_slots: torch.Tensor | None = None  # compact prompt slots (plan rows)
     visible_prompt_tokens: int = 0
+    access: AccessPolicy | None = None  # a dynamic or hybrid policy (None: the static view)
+    forced_blocks: np.ndarray | None = None  # prompt blocks a dynamic view always reads
+    keep: int = 0  # prompt blocks before the tail a dynamic view reads
+    summary: tuple | None = None  # (key min, key max, pool blocks) of the prompt's full blocks
     c: int = 0  # committed KV length
     carry: int = -1  # last emitted token, not yet in the KV cache
     out: list[int] = field(default_factory=list)
@@ -159,6 +174,8 @@ class Executor:
         self._prefixes: dict[str, tuple[int, int]] = {}  # prompt hash -> (cache sid, first token)
         self.groups = model.num_heads // model.kv_heads
         self._gather_s = 0.0
+        self.measure_overlap = False  # also choose from the true query, to score proxies
+        self._stacked: tuple[tuple[int, ...], selection.KeySummaries] | None = None
 
     # ---- public API ---------------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> tuple[list[RequestResult], BatchStats]:
@@ -220,6 +237,7 @@ class Executor:
         pos = pos[pos < P]
         s.visible_prompt_tokens = visible_tokens(blocks, P, self.block_size)
         s.visible_positions = torch.from_numpy(pos).to(self.m.device)
+        self._admit_access(s, r.access if r.access is not None else h.access, blocks)
         verdict = admit(h, retained=s.visible_prompt_tokens / P, k=r.k, accept=r.accept,
                         honor_predicted_loss=self.honor_predicted_loss)
         s.k, s.fallback_reason = verdict.k, verdict.reason
@@ -227,6 +245,24 @@ class Executor:
             s.mode = "plan"
             s.monitor = AcceptanceMonitor(h.fallback.min_acceptance, h.fallback.acceptance_window)
         return s
+
+    def _admit_access(self, s: _Seq, access: AccessPolicy, blocks: np.ndarray) -> None:
+        """A dynamic or hybrid policy: which prompt blocks the view always reads (the sink; a
+        hybrid plan's own) and how many it reads in all."""
+        if access.mode == "static":
+            return
+        problem = access_problem(access, self.m.num_layers)
+        if problem:
+            raise PolicyError(problem)
+        bs, P = self.block_size, s.P
+        tail = (P - 1) // bs
+        forced = {0} if tail > 0 else set()
+        if access.mode == "hybrid":
+            forced |= {int(b) for b in blocks[:-1]}
+        s.access = access
+        s.forced_blocks = np.array(sorted(forced), dtype=np.int64)
+        s.keep = access_keep_blocks(access, P, bs, len(forced))
+        s.visible_prompt_tokens = s.keep * bs + (P - tail * bs)
 
     # ---- prefill ------------------------------------------------------------------------------
     def _prefill_all(self, seqs: list[_Seq]) -> None:
@@ -298,7 +334,16 @@ class Executor:
         s.carry = first
         s.out.append(first)
         if s.mode == "plan":
-            s.visible_slots = self.cache.slots(s.sid, s.visible_positions)
+            if s.access is None:
+                s.visible_slots = self.cache.slots(s.sid, s.visible_positions)
+            else:
+                # the tail is always read; the full blocks before it are chosen per cycle
+                tail = (s.P - 1) // self.block_size
+                dev = self.m.device
+                s.visible_slots = self.cache.slots(
+                    s.sid, torch.arange(tail * self.block_size, s.P, device=dev))
+                pool = torch.tensor(self.cache.tables[s.sid][:tail], dtype=torch.long, device=dev)
+                s.summary = (*selection.KeySummaries.of_blocks(self.cache.k, pool), pool)
             s.ran_plan = True
         self._check_stop(s)
         s.prefill_s = time.perf_counter() - t0
@@ -394,41 +439,52 @@ class Executor:
     # ---- proposal -----------------------------------------------------------------------------
     def _propose(self, plan_rows: list[tuple[_Seq, int]],
                  stats: BatchStats) -> dict[int, list[int]]:
-        dev = self.m.device
+        """k draft steps for the plan rows, one batched forward per step over each row's compact
+        view. A row's view, in columns: the prompt blocks its dynamic policy chose this cycle
+        (`D` columns, the same for all rows, masked past the row's own count), the fixed part
+        (static: the plan's prompt tokens; dynamic: the tail) and its generated tokens, padding,
+        then one column per draft step."""
+        dev, bs = self.m.device, self.block_size
         B = len(plan_rows)
         kmax = max(kb for _, kb in plan_rows)
-        slot_lists, lens = [], []
+        dyn = [b for b, (s, _) in enumerate(plan_rows) if s.access is not None]
+        keepmax = max((plan_rows[b][0].keep for b in dyn), default=0)
+        D = keepmax * bs
+        fixed = []
         for s, _ in plan_rows:
             gen = self.cache.slots(s.sid, torch.arange(s.P, s.c, device=dev)) if s.c > s.P else None
-            sl = s.visible_slots if gen is None else torch.cat([s.visible_slots, gen])
-            slot_lists.append(sl)
-            lens.append(sl.numel())
-        Tc = max(lens)
+            fixed.append(s.visible_slots if gen is None else torch.cat([s.visible_slots, gen]))
+        Tc = D + max(f.numel() for f in fixed)
         W = Tc + kmax
         index = torch.zeros(B, W, dtype=torch.long, device=dev)  # pads read slot 0 (null block)
-        for b, sl in enumerate(slot_lists):
-            index[b, :sl.numel()] = sl
-        index = index.view(-1)
-        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+        valid = torch.zeros(B, Tc, dtype=torch.bool, device=dev)
+        for b, f in enumerate(fixed):
+            index[b, D:D + f.numel()] = f
+            valid[b, D:D + f.numel()] = True
+            valid[b, :plan_rows[b][0].keep * bs] = True
+        route = self._router([plan_rows[b][0] for b in dyn], keepmax, stats) if dyn else None
+        dyn_t = torch.tensor(dyn, dtype=torch.long, device=dev)
         bidx = torch.arange(B, device=dev)
         kvh, hd, g = self.m.kv_heads, self.m.head_dim, self.groups
         scale = self.m.scaling
         cache, ws = self.cache, self.ws
         step = {"j": 0, "mask": None}
-        col = torch.arange(W, device=dev)
 
         def attend(layer, q, k, v):
             j = step["j"]
             ck = ws.get(f"ck{layer}", (kvh, B * W, hd))
             cv = ws.get(f"cv{layer}", (kvh, B * W, hd))
             if j == 0:
+                idx = index
+                if route is not None:
+                    idx = index.clone()
+                    idx[dyn_t, :D] = route.slots(layer, q.index_select(0, dyn_t))
                 t0 = time.perf_counter()
-                cache.gather_slots(layer, index, ck, cv)
+                cache.gather_slots(layer, idx.view(-1), ck, cv)
                 self._gather_s += time.perf_counter() - t0
             ck4, cv4 = ck.view(kvh, B, W, hd), cv.view(kvh, B, W, hd)
-            cols = lens_t + j
-            ck4[:, bidx, cols] = k.transpose(0, 1).to(ck.dtype)
-            cv4[:, bidx, cols] = v.transpose(0, 1).to(cv.dtype)
+            ck4[:, bidx, Tc + j] = k.transpose(0, 1).to(ck.dtype)
+            cv4[:, bidx, Tc + j] = v.transpose(0, 1).to(cv.dtype)
             T = Tc + j + 1
             K = ck4[:, :, :T].permute(1, 0, 2, 3)
             V = cv4[:, :, :T].permute(1, 0, 2, 3)
@@ -438,20 +494,34 @@ class Executor:
 
         tokens = torch.tensor([s.carry for s, _ in plan_rows], dtype=torch.long, device=dev)
         base = torch.tensor([s.c for s, _ in plan_rows], dtype=torch.long, device=dev)
+        hook = route.hook(base.index_select(0, dyn_t), dyn_t) if route is not None else None
         out = []
         for j in range(kmax):
             step["j"] = j
-            T = Tc + j + 1
-            allowed = col[:T][None, :] < (lens_t + j + 1)[:, None]  # [B, T]
-            mask = torch.zeros(B, 1, 1, T, dtype=self.m.dtype, device=dev)
+            allowed = torch.cat([valid, valid.new_ones(B, j + 1)], dim=1)  # [B, T]
+            mask = torch.zeros(B, 1, 1, Tc + j + 1, dtype=self.m.dtype, device=dev)
             mask.masked_fill_(~allowed[:, None, None, :], float("-inf"))
             step["mask"] = mask
-            logits = self.m.forward(tokens, base + j, attend)
+            logits = self.m.forward(tokens, base + j, attend,
+                                    layer_hook=hook if j == 0 else None)
             tokens = logits.argmax(-1)
             out.append(tokens)
             stats.draft_forwards += 1
         drafts = torch.stack(out, 1).cpu().tolist()  # [B, kmax]
         return {s.sid: drafts[b][:kb] for b, (s, kb) in enumerate(plan_rows)}
+
+    def _router(self, rows: list[_Seq], keep: int, stats: BatchStats) -> selection.Router:
+        """The page choice of this cycle's dynamic rows (their key summaries stacked once for as
+        long as the same rows draft together)."""
+        key = tuple(s.sid for s in rows)
+        if self._stacked is None or self._stacked[0] != key:
+            self._stacked = (key, selection.KeySummaries.stack([s.summary for s in rows]))
+        summ = self._stacked[1]
+        forced = torch.zeros_like(summ.valid)
+        for b, s in enumerate(rows):
+            forced[b, torch.from_numpy(s.forced_blocks).to(forced.device)] = True
+        return selection.Router(self.m, [s.access for s in rows], summ, forced, keep,
+                                self.block_size, stats, self.measure_overlap)
 
     # ---- full-context attention -----------------------------------------------------------------
     def _in_place_attention(self, rows: list[tuple[int, int, int]]):
@@ -545,5 +615,6 @@ class Executor:
             accept=s.accept, k=s.k, proposed=s.proposed, accepted=s.accepted, cycles=s.cycles,
             plan_cycles=s.plan_cycles, decode_tokens=len(s.out) - 1 if s.out else 0,
             prefill_s=s.prefill_s, speedup_predicted=h.cost.speedup if h else None,
-            accepted_per_pos=list(s.per_pos))
+            accepted_per_pos=list(s.per_pos),
+            access=s.access.mode if s.access is not None and s.ran_plan else "static")
 

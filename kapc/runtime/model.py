@@ -27,6 +27,8 @@ SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # attend(layer_index, q [N, heads, head_dim], k [N, kv_heads, head_dim], v [N, kv_heads, head_dim])
 #   -> attention output [N, heads * head_dim]; q and k already carry the rotary embedding.
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# layer_hook(layer_index, "in" | "mid", hidden [N, hidden]): observes the residual stream
+LayerHook = Callable[[int, str, torch.Tensor], None]
 
 
 class UnsupportedModel(ModelError):
@@ -122,9 +124,12 @@ class RuntimeModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
-                logits_index: torch.Tensor | None = None) -> torch.Tensor:
+                logits_index: torch.Tensor | None = None,
+                layer_hook: LayerHook | None = None) -> torch.Tensor:
         """Run the decoder over packed tokens `input_ids` [N] at logical `positions` [N].
-        Returns logits [len(logits_index) or N, vocab] in float32."""
+        Returns logits [len(logits_index) or N, vocab] in float32. `layer_hook(i, "in", h)` sees
+        layer i's input hidden state and `layer_hook(i, "mid", h)` the state after its attention
+        (what EarlySelectKV builds proxy queries from)."""
         n = input_ids.shape[0]
         h = self.embed(input_ids)  # [N, hidden]
         cos, sin = self.rotary(h[None], positions[None])
@@ -132,6 +137,8 @@ class RuntimeModel:
         hd, nh, kvh = self.head_dim, self.num_heads, self.kv_heads
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
+            if layer_hook is not None:
+                layer_hook(i, "in", h)
             x = layer.input_layernorm(h)
             q = a.q_proj(x).view(n, nh, hd)
             k = a.k_proj(x).view(n, kvh, hd)
@@ -139,17 +146,19 @@ class RuntimeModel:
             if self.has_qk_norm:
                 q = a.q_norm(q)
                 k = a.k_norm(k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
             o = attend(i, q, k, v)
             h = h + a.o_proj(o)
+            if layer_hook is not None:
+                layer_hook(i, "mid", h)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         if logits_index is not None:
             h = h.index_select(0, logits_index)
         return self.lm_head(self.norm(h)).float()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 

@@ -24,7 +24,8 @@ def test_compile_inspect_json(tmp_path):
     assert result.exit_code == 0, result.output
     info = json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).output)
     module = parse_file(kap)
-    assert info["format_version"] == 1
+    assert info["format_version"] == 2
+    assert info["access"]["mode"] == module.access.mode == "static"
     assert info["prompt_tokens"] == module.prompt.tokens
     assert info["block_size"] == module.pages.block_size == 16
     assert len(info["selected_blocks"]) == sum(len(r) for r in module.pages.selected)

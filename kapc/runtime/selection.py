@@ -1,0 +1,193 @@
+"""Query-aware page selection for the reference executor (EarlySelectKV over Quest's K-summaries).
+
+- **K-summaries.** For every full prompt block of a request, per layer and KV head, the element-wise
+  min and max of its keys (`KeySummaries`, built once after prefill). For a query q,
+  `sum_d max(q_d * min_d, q_d * max_d)` bounds q.k from above for every key in the block (Quest).
+  Only prompt blocks need summaries: every block from the one holding the last prompt token onwards
+  (the tail, and all generated tokens) is in every view anyway.
+- **Scoring.** Each query head's bounds are turned into a softmax over the row's blocks (how much
+  of that head's attention a block could draw), and the heads' shares are summed: a block that
+  matters to any head ranks high.
+- **Choosing.** `choose` keeps the forced blocks (the attention sink, and for a hybrid plan the
+  plan's own blocks) and fills the budget with the best-scoring others.
+- **Proxy queries.** `proxy_query` builds the next layer's query from an earlier hidden state
+  (ES-In: the layer's input; ES-Mid: after its attention), through the next layer's norm, query
+  projection and rotary embedding at the true position, so the next layer's pages can be chosen one
+  layer ahead.
+
+Everything is batched over the rows of a draft cycle.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kapc.runtime.model import rotate_half
+
+
+class KeySummaries:
+    """Per-block key bounds of the dynamic rows of a draft cycle, stacked:
+    `kmin`, `kmax` [layers, rows, kv_heads, blocks, head_dim]; `valid` [rows, blocks] marks a row's
+    real blocks (rows have different prompt lengths); `tables` [rows, blocks] their pool blocks."""
+
+    def __init__(self, kmin, kmax, valid, tables):
+        self.kmin, self.kmax, self.valid, self.tables = kmin, kmax, valid, tables
+
+    @staticmethod
+    def of_blocks(k_pool: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """min and max keys of pool `blocks` [n]: k_pool [layers, kv_heads, pool_blocks, block,
+        head_dim] -> two [layers, kv_heads, n, head_dim]."""
+        kb = k_pool.index_select(2, blocks)
+        return kb.amin(dim=3), kb.amax(dim=3)
+
+    @classmethod
+    def stack(cls, per_row: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
+        """Stack rows' (kmin, kmax, pool blocks), padding to the longest."""
+        n = max(t.numel() for _, _, t in per_row)
+        L, kvh, _, hd = per_row[0][0].shape
+        B = len(per_row)
+        dev, dt = per_row[0][0].device, per_row[0][0].dtype
+        kmin = torch.zeros(L, B, kvh, n, hd, device=dev, dtype=dt)
+        kmax = torch.zeros(L, B, kvh, n, hd, device=dev, dtype=dt)
+        valid = torch.zeros(B, n, dtype=torch.bool, device=dev)
+        tables = torch.zeros(B, n, dtype=torch.long, device=dev)
+        for b, (lo, hi, t) in enumerate(per_row):
+            m = t.numel()
+            kmin[:, b, :, :m], kmax[:, b, :, :m] = lo, hi
+            valid[b, :m] = True
+            tables[b, :m] = t
+        return cls(kmin, kmax, valid, tables)
+
+
+def block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """q [rows, heads, head_dim] against one layer's summaries kmin, kmax [rows, kv_heads, blocks,
+    head_dim] -> [rows, blocks]: the attention share each block could draw, summed over heads."""
+    B, nh, hd = q.shape
+    kvh = kmin.shape[1]
+    Q = q.view(B, kvh, nh // kvh, hd)
+    # max(q*lo, q*hi) = q+ * hi + q- * lo, summed over head_dim: two batched matmuls
+    ub = torch.matmul(Q.clamp(min=0), kmax.transpose(-1, -2)) \
+        + torch.matmul(Q.clamp(max=0), kmin.transpose(-1, -2))  # [B, kvh, g, blocks]
+    ub = ub.mul_(scale).masked_fill_(~valid[:, None, None, :], float("-inf"))
+    return torch.softmax(ub, dim=-1).sum(dim=(1, 2))
+
+
+def choose(scores: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor, keep: int) -> torch.Tensor:
+    """Indices [rows, keep] of the blocks each row keeps: every forced block first (`forced`
+    [rows, blocks], at most `keep` per row), then the best-scoring others. Rows with fewer than
+    `keep` real blocks repeat one (harmless: the caller masks by count)."""
+    s = scores.masked_fill(forced, float("inf")).masked_fill_(~valid, float("-inf"))
+    return s.topk(min(keep, s.shape[1]), dim=1).indices
+
+
+def proxy_query(layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                head_dim: int, qk_norm: bool) -> torch.Tensor:
+    """The query `layer` (a Hugging Face decoder layer) would form from hidden state h [N, hidden]:
+    its input norm, query projection (and q-norm) and the rotary embedding at the true positions
+    (cos, sin [N, 1, head_dim]) -> [N, heads, head_dim]."""
+    a = layer.self_attn
+    q = a.q_proj(layer.input_layernorm(h)).view(h.shape[0], heads, head_dim)
+    if qk_norm:
+        q = a.q_norm(q)
+    return q * cos + rotate_half(q) * sin
+
+
+def overlap(chosen: torch.Tensor, truth: torch.Tensor, free: torch.Tensor) -> tuple[int, int]:
+    """How many of `truth`'s free (not forced) picks `chosen` also picked, and how many there were,
+    summed over rows: the proxy-quality measure of EarlySelectKV. `free` [rows, keep] marks the
+    truth's picks that were not forced."""
+    hit = (truth[:, :, None] == chosen[:, None, :]).any(-1) & free
+    return int(hit.sum()), int(free.sum())
+
+
+def query_sources(access, num_layers: int) -> list[str]:
+    """Per layer, what a policy chooses that layer's pages from: "query" (its own query), or the
+    previous layer's "in" (input) or "mid" (post-attention) state, made into a proxy query."""
+    proxy = access.proxy
+    if proxy == "query":
+        return ["query"] * num_layers
+    if proxy == "es-mix":
+        per = list(access.mix)
+    else:
+        per = ["in" if proxy == "es-in" else "mid"] * num_layers
+    return ["query"] + per[1:num_layers]  # layer 0 has no earlier layer to look ahead from
+
+
+class Router:
+    """One draft cycle's page choice for its dynamic rows: `hook` (a model layer hook) builds the
+    proxy queries one layer ahead; `slots(layer, q)` returns the pool slots of each row's chosen
+    blocks [rows, keep * block_size]. Time spent and proxy quality go to `stats` (the executor's
+    BatchStats: select_s, select_calls, overlap)."""
+
+    def __init__(self, model, rows_access: list, summ: KeySummaries, forced: torch.Tensor,
+                 keep: int, block_size: int, stats, measure_overlap: bool = False):
+        L = model.num_layers
+        self.m, self.summ, self.forced, self.keep, self.bs = model, summ, forced, keep, block_size
+        self.stats, self.measure = stats, measure_overlap
+        per_row = [query_sources(a, L) for a in rows_access]
+        # per layer: {"in": rows, "mid": rows} whose proxy comes from that earlier state
+        self.src = [{st: torch.tensor([b for b, r in enumerate(per_row) if r[l] == st],
+                                      dtype=torch.long, device=forced.device)
+                     for st in ("in", "mid") if any(r[l] == st for r in per_row)}
+                    for l in range(L)]
+        self.proxies: dict[int, torch.Tensor] = {}
+        self.offsets = torch.arange(block_size, device=forced.device)
+
+    def hook(self, positions: torch.Tensor, rows: torch.Tensor):
+        """A `layer_hook` for the first draft step: at layer i, the proxies for layer i+1 from the
+        dynamic rows (`rows` of the packed batch, at `positions`)."""
+        m = self.m
+        if not any(self.src):
+            return None
+        h0 = torch.zeros(1, 1, m.hidden, dtype=m.dtype, device=positions.device)
+        cos, sin = m.rotary(h0, positions[None])
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+
+        def on_layer(i: int, stage: str, h: torch.Tensor) -> None:
+            nxt = i + 1
+            if nxt >= m.num_layers or stage not in self.src[nxt]:
+                return
+            t0 = time.perf_counter()
+            sub = self.src[nxt][stage]
+            hq = proxy_query(m.layers[nxt], h.index_select(0, rows.index_select(0, sub)),
+                             cos.index_select(0, sub), sin.index_select(0, sub), m.num_heads,
+                             m.head_dim, m.has_qk_norm)
+            if nxt not in self.proxies:
+                self.proxies[nxt] = torch.empty(rows.numel(), m.num_heads, m.head_dim,
+                                                dtype=hq.dtype, device=hq.device)
+            self.proxies[nxt][sub] = hq
+            self.stats.select_s += time.perf_counter() - t0
+
+        return on_layer
+
+    def _choose(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        s = self.summ
+        scores = block_scores(q, s.kmin[layer], s.kmax[layer], s.valid, self.m.scaling)
+        return choose(scores, self.forced, s.valid, self.keep)
+
+    def slots(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Pool slots of the blocks each dynamic row reads at `layer`, given the rows' true queries
+        q [rows, heads, head_dim] (used where a row's policy says "query", or to score proxies)."""
+        t0 = time.perf_counter()
+        proxy = self.proxies.pop(layer, None)
+        qsel = q
+        if proxy is not None:
+            qsel = q.clone()
+            for sub in self.src[layer].values():
+                qsel[sub] = proxy[sub]
+        chosen = self._choose(layer, qsel)
+        if self.measure and proxy is not None:
+            truth = self._choose(layer, q)
+            free = ~self.forced.gather(1, truth)
+            hit, total = overlap(chosen, truth, free)
+            acc = self.stats.overlap.setdefault(layer, [0, 0])
+            acc[0] += hit
+            acc[1] += total
+        pool = self.summ.tables.gather(1, chosen)  # [rows, keep]
+        out = (pool[:, :, None] * self.bs + self.offsets).reshape(pool.shape[0], -1)
+        self.stats.select_s += time.perf_counter() - t0
+        self.stats.select_calls += 1
+        return out
