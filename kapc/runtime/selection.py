@@ -191,3 +191,48 @@ class Router:
         self.stats.select_s += time.perf_counter() - t0
         self.stats.select_calls += 1
         return out
+
+
+class TableRouter:
+    """Page choice written into a paged-attention block table, for engines whose kernel reads the
+    table (the vLLM hook): before each layer's attention, `apply(layer, query)` chooses the dynamic
+    rows' blocks from that layer's true query at the cycle's first draft step and writes the
+    chosen pool blocks into the first `keep[row]` columns of their table rows (the rest of a row
+    is its tail); later steps of the cycle write the same choice again (the table is rebuilt
+    every step)."""
+
+    def __init__(self, summ: KeySummaries, forced: torch.Tensor, keep: list[int], heads: int,
+                 head_dim: int, scale: float):
+        self.summ, self.forced, self.keep = summ, forced, list(keep)
+        self.widest = max(self.keep)
+        self.heads, self.head_dim, self.scale = heads, head_dim, scale
+        self.chosen: dict[int, torch.Tensor] = {}  # layer -> pool blocks [rows, keep]
+        self.table: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None  # this step's table rows of the dynamic rows
+        self.present: torch.Tensor | None = None  # which dynamic rows draft this step
+        self.seconds = 0.0
+        self.choices = 0
+
+    def bind(self, table: torch.Tensor, rows: torch.Tensor, present: torch.Tensor) -> None:
+        """This step's block table, the table row of each present dynamic row, and which of the
+        dynamic rows are present (rows stop drafting at their own k)."""
+        self.table, self.rows, self.present = table, rows, present
+
+    def apply(self, layer: int, query: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        if layer not in self.chosen:
+            # the first step has every dynamic row present, in order
+            q = query.view(-1, self.heads, self.head_dim).index_select(0, self.rows)
+            s = self.summ
+            scores = block_scores(q.to(s.kmin.dtype), s.kmin[layer], s.kmax[layer], s.valid,
+                                  self.scale)
+            idx = choose(scores, self.forced, s.valid, self.widest)
+            self.chosen[layer] = s.tables.gather(1, idx).to(self.table.dtype)
+            self.choices += 1
+        chosen = self.chosen[layer]
+        if all(k == self.widest for k in self.keep):
+            self.table[self.rows, :self.widest] = chosen.index_select(0, self.present)
+        else:  # best first: a row that keeps fewer takes the head of its choice
+            for r, d in zip(self.rows.tolist(), self.present.tolist()):
+                self.table[r, :self.keep[d]] = chosen[d, :self.keep[d]]
+        self.seconds += time.perf_counter() - t0

@@ -320,3 +320,73 @@ def test_step_policy_drafts_only_what_pays_for_the_batch(engine, cases, baseline
         engine.use_profile("none")
     res = generate(engine, [cases[0].ids], [cases[0].plan], max_tokens=8)
     assert res[0]["policy"] == "each plan's own rules"
+
+
+def test_query_aware_access_is_lossless_in_vllm(engine, cases, baseline):
+    """Dynamic and hybrid views in vLLM: each layer's pages are chosen from its own query (a
+    pre-hook on vLLM's attention modules edits the block table per layer); a batch mixing them
+    with a static plan stays identical to plain vLLM, reads the budget it was given, and the
+    page choice ran once per layer per draft cycle. An ES proxy is noted as running as the
+    query."""
+    from kapc.policy import AccessPolicy
+    from kapc.runtime.vllm import generate
+
+    idx = [0, 1, 2, 3]
+    n = NEW_TOKENS
+    plans = [cases[i].plan for i in idx]
+    policies = [AccessPolicy(mode="dynamic", budget=0.3), AccessPolicy(mode="hybrid", budget=0.4),
+                AccessPolicy(mode="dynamic", budget=0.3, proxy="es-mid")]
+    for access in policies:
+        res = generate(engine, [cases[i].ids for i in idx], plans, max_tokens=n,
+                       honor_predicted_loss=False, min_acceptance=False, access=access)
+        timing = res[0]["timing"]
+        for i, r in zip(idx, res):
+            assert r["tokens"] == baseline[i][:n], (access, i)
+            assert r["status"] == "plan" and r["access"] == access.mode and r["proposed"] > 0
+            P = len(cases[i].ids)
+            floor = max(access.budget, r["plan_retained_ratio"]) if access.mode == "hybrid" \
+                else access.budget
+            assert access.budget - 2 * engine.block_size / P <= r["retained_ratio"] <= floor + 1e-9
+        assert res[0]["note"] is None or access.proxy != "query"
+        if access.proxy != "query":
+            assert "runs as each layer's own query" in res[0]["note"]
+        layers = engine.llm.llm_engine.model_config.hf_config.num_hidden_layers
+        assert timing["select_choices"] > 0 and timing["select_choices"] % layers == 0
+    # a static request beside dynamic ones keeps its plan's view
+    mixed = generate(engine, [cases[0].ids], [cases[0].plan], max_tokens=n,
+                     honor_predicted_loss=False, min_acceptance=False)
+    assert mixed[0]["access"] == "static" and mixed[0]["tokens"] == baseline[0][:n]
+
+
+def test_a_bad_access_option_is_refused_with_the_reason(engine, cases, baseline):
+    from kapc.policy import AccessPolicy
+    from kapc.runtime.vllm import generate
+
+    bad, good = generate(engine, [cases[0].ids, cases[1].ids], [cases[0].plan, cases[1].plan],
+                         max_tokens=8, honor_predicted_loss=False,
+                         access=AccessPolicy(mode="dynamic", budget=2.0))
+    for r, i in ((bad, 0), (good, 1)):
+        assert r["status"] == "refused" and "access budget 2.0" in r["reason"]
+        assert r["tokens"] == baseline[i][:8]
+
+
+def test_query_aware_access_accepts_like_the_reference_executor(engine, cases):
+    """The same dynamic policy in both runtimes at the engine's block size: the same algorithm
+    chooses the same pages per layer, so acceptance agrees (up to cycle boundaries); had vLLM's
+    view kept its placeholders (block 0, repeated), it would accept far less."""
+    from kapc.policy import AccessPolicy
+    from kapc.runtime.vllm import generate
+
+    Executor, Request, load_model = _reference_generate()
+    c = cases[1]
+    n = 32
+    access = AccessPolicy(mode="dynamic", budget=0.25)
+    ex = Executor(load_model(), block_size=c.plan.header.block_size, kv_cache_gib=0.25,
+                  honor_predicted_loss=False)
+    (want,), _ = ex.generate([Request(c.ids, plan=c.plan, max_tokens=n, access=access)])
+    (r,) = generate(engine, [c.ids], [c.plan], max_tokens=n, honor_predicted_loss=False,
+                    min_acceptance=False, access=access)
+    assert r["tokens"] == list(want.tokens)[:n]
+    assert r["visible_prompt_tokens"] == want.visible_prompt_tokens
+    assert abs(r["acceptance_rate"] - want.acceptance_rate) <= 0.15, (r["acceptance_rate"],
+                                                                      want.acceptance_rate)

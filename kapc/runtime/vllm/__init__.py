@@ -205,9 +205,10 @@ def _plan_bytes(plan) -> bytes | None:
 
 def sampling_params(max_tokens: int, plan=None, tag: str | None = None,
                     honor_predicted_loss: bool = True, k: int | None = None,
-                    min_acceptance: bool = True, accept: str | None = None, **kw):
+                    min_acceptance: bool = True, accept: str | None = None, access=None, **kw):
     """vLLM SamplingParams for one request (greedy by default) carrying its plan. `accept`
-    overrides the plan's acceptance rule: "greedy" (lossless) or "topN" (tolerant)."""
+    overrides the plan's acceptance rule: "greedy" (lossless) or "topN" (tolerant); `access`
+    (a kapc.policy.AccessPolicy) the plan's access policy."""
     from vllm import SamplingParams
 
     extra = {}
@@ -220,6 +221,10 @@ def sampling_params(max_tokens: int, plan=None, tag: str | None = None,
                            "k": int(k or 0), "min_acceptance": bool(min_acceptance)}
         if accept is not None:
             extra[OPTS_KEY]["accept"] = _checked_accept(accept)
+        if access is not None:
+            import msgspec
+
+            extra[OPTS_KEY]["access"] = msgspec.to_builtins(access)
     if tag is not None:
         from kapc.runtime.vllm.proposer import TAG_KEY
 
@@ -238,12 +243,13 @@ def _checked_accept(rule: str) -> str:
 def generate(engine: KapEngine, prompts_token_ids, plans=None, max_tokens: int = 128,
              honor_predicted_loss: bool | list[bool] = True, k: int | None = None,
              min_acceptance: bool = True, ignore_eos: bool = False,
-             accept: str | None = None) -> list[dict]:
+             accept: str | None = None, access=None) -> list[dict]:
     """Decode a batch of token-id prompts in one `LLM.generate` call, each with its plan (a Plan,
     .kapb bytes, a path, or None for plain decoding). Returns one dict per prompt: tokens, text,
     finish_reason, status ("plan", "refused", "fallback", "none"), reason, proposed, accepted,
     acceptance_rate, retained_ratio (executed), plan_retained_ratio, tokens_per_cycle, plus the
-    batch's wall time under "batch_s". `accept` overrides every plan's acceptance rule;
+    batch's wall time under "batch_s". `accept` overrides every plan's acceptance rule, `access`
+    (a kapc.policy.AccessPolicy) every plan's access policy;
     `honor_predicted_loss` may be given per prompt (False: the plan drafts whenever it can)."""
     prompts = [[int(t) for t in p] for p in prompts_token_ids]
     if plans is None:
@@ -258,7 +264,8 @@ def generate(engine: KapEngine, prompts_token_ids, plans=None, max_tokens: int =
     tags = [f"{run}-{i}" for i in range(len(prompts))]
     sps = [sampling_params(max_tokens, plan=pl if engine.hook else None, tag=t,
                            honor_predicted_loss=hon, k=k,
-                           min_acceptance=min_acceptance, ignore_eos=ignore_eos, accept=accept)
+                           min_acceptance=min_acceptance, ignore_eos=ignore_eos, accept=accept,
+                           access=access)
            for pl, t, hon in zip(plans, tags, honor)]
     engine.stats(pop=True)
     t0 = time.perf_counter()
@@ -290,6 +297,7 @@ def generate(engine: KapEngine, prompts_token_ids, plans=None, max_tokens: int =
             "cycles": max(0, steps - 1),
             "tokens_per_cycle": (len(toks) - 1) / (steps - 1) if steps > 1 else None,
             "speedup_predicted": st.get("speedup_predicted"),
+            "access": st.get("access", "static"),
             "batch_s": wall,
         }
         results.append(r)

@@ -82,10 +82,12 @@ def live_request_ids(runner) -> set[str]:
 
 def draft_logits(runner, vllm_config, layout: AttentionLayout, tables: list[list[int]],
                  seq_lens: list[int], slots: list[int], positions: list[int], token_ids: list[int],
-                 step: int) -> torch.Tensor:
+                 step: int, on_block_table=None) -> torch.Tensor:
     """One forward of the target model for one query token per row, each row attending over its
     own block table `tables[i]` (a compact view: `seq_lens[i]` tokens) at its true logical
-    position, writing its K/V to `slots[i]`. Returns logits [rows, vocab]."""
+    position, writing its K/V to `slots[i]`. Returns logits [rows, vocab]. `on_block_table(t)`
+    receives the block table tensor the attention kernel will read (the metadata holds it, not
+    a copy), for per-layer edits from `attention_pre_hooks`."""
     from vllm.forward_context import set_forward_context
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -109,6 +111,11 @@ def draft_logits(runner, vllm_config, layout: AttentionLayout, tables: list[list
         num_actual_tokens=n, max_query_len=1, max_seq_len=max(seq_lens), block_table_tensor=bt,
         slot_mapping=slot_t, causal=True, positions=pos_t, seq_lens_cpu_upper_bound=seq_lens_cpu)
     meta = layout.builder.build_for_drafting(common_attn_metadata=cam, draft_index=step)
+    if on_block_table is not None:
+        if getattr(meta, "block_table", None) is not bt:
+            raise UnsupportedAttention("this attention backend copies the block table into its "
+                                       "metadata; per-layer page choice cannot edit it")
+        on_block_table(bt)
     per_layer = {name: meta for name in layout.layer_names}
     # a layer missing from slot_mapping silently skips its KV write: name every one
     with set_forward_context(per_layer, vllm_config, num_tokens=n,
@@ -141,3 +148,39 @@ def before_rejection_sampling(runner, adjust) -> None:
 
     rs.forward = wrapped
     rs._kapc_wrapped = True
+
+
+def attention_modules(vllm_config, layout: AttentionLayout) -> list:
+    """The attention layer modules, in layer order (they hold each layer's KV cache)."""
+    ctx = vllm_config.compilation_config.static_forward_context
+    return [ctx[name] for name in layout.layer_names]
+
+
+def attention_pre_hooks(vllm_config, layout: AttentionLayout, hook) -> None:
+    """Call `hook(layer_index, query)` before every attention layer runs (query [tokens,
+    heads * head_dim], rotary applied): the model calls each `Attention` module with (q, k, v),
+    so a forward pre-hook sees the layer's true query without a fork of vLLM. Once per engine."""
+    for i, module in enumerate(attention_modules(vllm_config, layout)):
+        if getattr(module, "_kapc_hooked", False):
+            continue
+        module.register_forward_pre_hook(lambda mod, args, i=i: hook(i, args[0]))
+        module._kapc_hooked = True
+
+
+def key_bounds(vllm_config, layout: AttentionLayout, blocks: list[int]):
+    """Element-wise min and max of the keys in KV `blocks`, per layer and KV head: two tensors
+    [layers, kv_heads, len(blocks), head_dim]. The CPU cache of a layer is
+    [num_blocks, kv_heads, block_size, 2 * head_dim], read by the kernel as K rows then V rows
+    ([num_blocks, kv_heads, 2 * block_size, head_dim]); other layouts are refused."""
+    lo, hi = [], []
+    for module in attention_modules(vllm_config, layout):
+        kv = module.kv_cache
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.device.type != "cpu":
+            raise UnsupportedAttention("per-page key bounds read vLLM's CPU KV cache layout; "
+                                       "this engine's is not it")
+        n, kvh, bs, two_hd = kv.shape
+        k = kv.view(n, kvh, 2 * bs, two_hd // 2)[:, :, :bs]
+        kb = k.index_select(0, torch.tensor(blocks, dtype=torch.long))  # [m, kvh, bs, hd]
+        lo.append(kb.amin(dim=2).transpose(0, 1))
+        hi.append(kb.amax(dim=2).transpose(0, 1))
+    return torch.stack(lo), torch.stack(hi)

@@ -95,6 +95,10 @@ class _ReqState:
     held: int = 0  # steps the step policy kept this row from drafting
     forced: bool = False  # run against the cost model's advice: drafts whenever it can
     per_pos: list[int] = field(default_factory=list)
+    access: object = None  # a dynamic or hybrid kapc.policy.AccessPolicy (None: static view)
+    forced_blocks: np.ndarray | None = None  # prompt blocks a dynamic view always reads
+    keep: int = 0  # prompt blocks before the tail a dynamic view reads
+    bounds: tuple | None = None  # (key min, key max, pool blocks) of the full prompt blocks
 
     def as_dict(self) -> dict:
         # drafts of the newest proposal are not verified yet (or never will be, when the request
@@ -110,6 +114,7 @@ class _ReqState:
             "acceptance_rate": self.accepted / proposed if proposed else None,
             "accepted_per_pos": list(self.per_pos), "held": self.held,
             "speedup_predicted": self.speedup_predicted,
+            "access": self.access.mode if self.access is not None else "static",
         }
 
 
@@ -132,8 +137,12 @@ class KapProposer:
         self.states: dict[str, _ReqState] = {}  # by vLLM request id
         self.finished: dict[str, dict] = {}  # by tag, for requests no longer in the batch
         # forecast_s / plain_forecast_s: the profile's view of the steps that ran (step policy)
+        # select_s / select_choices: query-aware page choice (dynamic and hybrid access)
         self.timing = {"propose_s": 0.0, "draft_forwards": 0, "draft_rows": 0, "calls": 0,
-                       "forecast_s": 0.0, "plain_forecast_s": 0.0}
+                       "forecast_s": 0.0, "plain_forecast_s": 0.0, "select_s": 0.0,
+                       "select_choices": 0}
+        self._router = None  # the page choice of the draft forward running now, if any
+        self._stacked = None  # (rows' tags, KeySummaries) while the same rows draft together
         # One record per engine step, for calibration: (entered, left, rows in the batch, rows
         # that drafted, draft forwards, seconds inside those forwards). The time from one call's
         # exit to the next call's entry is the rest of the step (verification forward, sampling,
@@ -187,6 +196,11 @@ class KapProposer:
             self._layout = compat.attention_layout(runner)
             self.block_size = self._layout.block_size
             self._profile = self._find_profile(runner)
+            compat.attention_pre_hooks(self.vllm_config, self._layout, self._before_attention)
+
+    def _before_attention(self, layer: int, query) -> None:
+        if self._router is not None:
+            self._router.apply(layer, query)
 
     def _find_profile(self, runner):
         """This engine's calibration profile, if `kapc calibrate` measured one for this model on
@@ -278,6 +292,7 @@ class KapProposer:
             blocks = engine_blocks(plan.positions, P, bs)
             st.selected, st.tail_block = blocks[:-1], int(blocks[-1])
             st.visible_prompt_tokens = visible_tokens(blocks, P, bs)
+            self._admit_access(st, opts.get("access"), h.access, P)
             st.retained_ratio = st.visible_prompt_tokens / P
             # with a profile, the step policy judges each step with the real batch, not the
             # compile-time prediction for the batch the plan was compiled for
@@ -306,6 +321,38 @@ class KapProposer:
             st.per_pos = [0] * st.k
         else:
             st.status, st.reason = "fallback", verdict.reason
+
+    def _admit_access(self, st: _ReqState, override, planned, P: int) -> None:
+        """A dynamic or hybrid access policy (the request's `access` option, else the plan's):
+        the blocks the view always reads (the sink; a hybrid plan's own) and how many in all.
+        Each layer's pages are chosen from that layer's true query at the cycle's first draft
+        step: vLLM's fused residual stream leaves no earlier-layer state to build a proxy from
+        without a fork, so an ES proxy runs as the query it stands in for (noted)."""
+        import msgspec
+
+        from kapc.policy import AccessPolicy, PolicyError, access_keep_blocks, access_problem
+
+        access = planned
+        if override is not None:
+            try:
+                access = msgspec.convert(override, AccessPolicy)
+            except msgspec.ValidationError as exc:
+                raise PolicyError(f"access option: {exc}") from None
+        if access.mode == "static":
+            return
+        problem = access_problem(access, len(self._layout.layer_names))
+        if problem:
+            raise PolicyError(problem)
+        bs = self.block_size
+        forced = {0} if st.tail_block > 0 else set()
+        if access.mode == "hybrid":
+            forced |= {int(b) for b in st.selected}
+        st.access = access
+        st.forced_blocks = np.array(sorted(forced), dtype=np.int64)
+        st.keep = access_keep_blocks(access, P, bs, len(forced))
+        st.visible_prompt_tokens = st.keep * bs + (P - st.tail_block * bs)
+        if access.proxy != "query":
+            st.note = f"proxy {access.proxy} runs as each layer's own query in the vLLM hook"
 
     def _prune(self, runner) -> None:
         live = compat.live_request_ids(runner)
@@ -411,18 +458,30 @@ class KapProposer:
         drafts: list[list[int]] = [[] for _ in rows]
         cur = [int(token_ids_cpu[row, P]) for row, _, P, _, _ in rows]
         live = list(range(len(rows)))
+        dyn = [i for i, r in enumerate(rows) if r[1].access is not None]
+        router = self._table_router([rows[i] for i in dyn]) if dyn else None
         for step in range(max(r[4] for r in rows)):
             live = [i for i in live if rows[i][4] > step]
             if not live:
                 break
-            views = [compact_row(rows[i][1].selected, rows[i][3], rows[i][1].tail_block,
+            views = [compact_row(view_blocks(rows[i][1]), rows[i][3], rows[i][1].tail_block,
                                  rows[i][2] + step, bs) for i in live]
+            bind = None
+            if router is not None:
+                at = [(j, dyn.index(i)) for j, i in enumerate(live) if i in dyn]
+                table_rows = torch.tensor([j for j, _ in at], dtype=torch.long)
+                present = torch.tensor([d for _, d in at], dtype=torch.long)
+                bind = lambda t, r=table_rows, p=present: router.bind(t, r, p)  # noqa: E731
             tf = time.perf_counter()
-            logits = compat.draft_logits(
-                self._runner, self.vllm_config, self._layout, tables=[v[0] for v in views],
-                seq_lens=[v[1] for v in views], slots=[v[2] for v in views],
-                positions=[rows[i][2] + step for i in live], token_ids=[cur[i] for i in live],
-                step=step)
+            self._router = router if bind is not None and len(present) else None
+            try:
+                logits = compat.draft_logits(
+                    self._runner, self.vllm_config, self._layout, tables=[v[0] for v in views],
+                    seq_lens=[v[1] for v in views], slots=[v[2] for v in views],
+                    positions=[rows[i][2] + step for i in live], token_ids=[cur[i] for i in live],
+                    step=step, on_block_table=bind if self._router is not None else None)
+            finally:
+                self._router = None
             nxt = logits.argmax(dim=-1).tolist()
             self._forward_s += time.perf_counter() - tf
             self.timing["draft_forwards"] += 1
@@ -430,7 +489,32 @@ class KapProposer:
             for j, i in enumerate(live):
                 drafts[i].append(int(nxt[j]))
                 cur[i] = int(nxt[j])
+        if router is not None:
+            self.timing["select_s"] += router.seconds
+            self.timing["select_choices"] += router.choices
         return drafts
+
+    def _table_router(self, rows):
+        """The page choice of this cycle's dynamic rows: their key bounds (read from vLLM's KV
+        cache once per request, the first time it drafts) stacked once for as long as the same
+        rows draft together."""
+        from kapc.runtime.selection import KeySummaries, TableRouter
+
+        for _, st, _, blocks, _ in rows:
+            if st.bounds is None:
+                pool = [int(b) for b in blocks[:st.tail_block]]
+                lo, hi = compat.key_bounds(self.vllm_config, self._layout, pool)
+                st.bounds = (lo, hi, torch.tensor(pool, dtype=torch.long))
+        key = tuple(id(r[1]) for r in rows)
+        if self._stacked is None or self._stacked[0] != key:
+            self._stacked = (key, KeySummaries.stack([r[1].bounds for r in rows]))
+        summ = self._stacked[1]
+        forced = torch.zeros_like(summ.valid)
+        for b, (_, st, *_) in enumerate(rows):
+            forced[b, torch.from_numpy(st.forced_blocks)] = True
+        attn = compat.attention_modules(self.vllm_config, self._layout)[0]
+        return TableRouter(summ, forced, keep=[r[1].keep for r in rows], heads=attn.num_heads,
+                           head_dim=attn.head_size, scale=float(attn.impl.scale))
 
 
 # ---- the pure parts (tested without an engine) ---------------------------------------------
@@ -446,6 +530,14 @@ def compact_row(selected: np.ndarray, blocks, tail_block: int, pos: int,
     seq_len = len(selected) * block_size + pos + 1 - tail_block * block_size
     slot = int(blocks[pos // block_size]) * block_size + pos % block_size
     return table, seq_len, slot
+
+
+def view_blocks(st: _ReqState) -> np.ndarray:
+    """The full prompt blocks of a row's compact view: the plan's, or for a dynamic view `keep`
+    placeholders (block 0) that the page choice overwrites before each layer reads them."""
+    if st.access is None:
+        return st.selected
+    return np.zeros(st.keep, dtype=np.int64)
 
 
 def draft_budget(k: int, allocated_blocks: int, block_size: int, position: int,
