@@ -17,6 +17,10 @@ of one `LLM.generate` call with `ignore_eos`. Rows:
 - `kapc`: kapc's proposer with the compiled plans (honouring no fallback, so the plan runs);
 - `kapc-top3`: the same plans with top-3 tolerant acceptance (not lossless: `same` is expected
   to be False; every emitted token is within the full context's top 3);
+- `kapc-dynamic`, `kapc-hybrid`: the same plans, greedy, under a query-aware access policy
+  (`--access-budget` of the prompt chosen per layer from the draft's query; hybrid keeps the
+  plan's pages among them; docs/access.md);
+- `kapc-hybrid-top3`: hybrid with top-3 tolerant acceptance;
 - `ngram`: vLLM's ngram (prompt lookup) speculative decoding, same k.
 
 Printed per row: output tokens/s (with `--repeat N`, every engine is started N times, alternating,
@@ -132,10 +136,22 @@ def start_engine(method, cases, batches, args):
     return eng
 
 
-ENGINE_OF = {"full": "none", "kapc": "kapc", "kapc-top3": "kapc", "ngram": "ngram"}
+ENGINE_OF = {"full": "none", "kapc": "kapc", "kapc-top3": "kapc", "kapc-dynamic": "kapc",
+             "kapc-hybrid": "kapc", "kapc-hybrid-top3": "kapc", "ngram": "ngram"}
 
 
-def run_rows(eng, label, cases, batches, args, with_plans: bool, accept: str | None = None):
+def access_of(method: str, budget: float):
+    """The access policy a kapc method runs under (None: the plan's own)."""
+    from kapc.policy import AccessPolicy
+
+    for mode in ("dynamic", "hybrid"):
+        if method.startswith(f"kapc-{mode}"):
+            return AccessPolicy(mode=mode, budget=budget)
+    return None
+
+
+def run_rows(eng, label, cases, batches, args, with_plans: bool, accept: str | None = None,
+             access=None):
     from kapc.lower.kapb import decode_plan
     from kapc.policy import predicted_speedup
     from kapc.runtime.vllm import generate
@@ -151,12 +167,13 @@ def run_rows(eng, label, cases, batches, args, with_plans: bool, accept: str | N
             else:
                 plans = [x[1][b] for x in cs[:b]] if with_plans else None
             # prefill into the prefix cache, and warm the decode (and draft) path up
-            generate(eng, ids, plans, max_tokens=2 * args.k, honor_predicted_loss=False)
+            generate(eng, ids, plans, max_tokens=2 * args.k, honor_predicted_loss=False,
+                     access=access)
             _log(f"[{label}] {c} x{b}: prefill {time.perf_counter() - t0:.1f}s")
             # --auto: the plans decide (predicted loss, acceptance below break-even), as in use
             res = generate(eng, ids, plans, max_tokens=args.max_tokens, ignore_eos=True,
                            honor_predicted_loss=args.auto, min_acceptance=args.auto,
-                           accept=None if args.auto else accept)
+                           accept=None if args.auto else accept, access=access)
             wall = res[0]["batch_s"]
             ntok = sum(r["generated_tokens"] for r in res)
             row = {"context": c, "batch": b, "method": label,
@@ -180,7 +197,8 @@ def run_rows(eng, label, cases, batches, args, with_plans: bool, accept: str | N
                 forecast = tm.get("forecast_s") or 0.0
                 # the step policy's forecast of what ran (a profile in use), else None
                 row["pred_run"] = tm["plain_forecast_s"] / forecast if forecast else None
-                row.update(propose_s=tm.get("propose_s"), draft_forwards=tm.get("draft_forwards"),
+                row.update(propose_s=tm.get("propose_s"), select_s=tm.get("select_s"),
+                           draft_forwards=tm.get("draft_forwards"),
                            verify_steps=max((r["cycles"] for r in res), default=0) + 1)
                 row.update(s=s, h=h, tokens_per_cycle=gen / cyc if cyc else None,
                            pred_plan_h=cost.speedup, plan_h=cost.h,
@@ -191,7 +209,8 @@ def run_rows(eng, label, cases, batches, args, with_plans: bool, accept: str | N
             _log(f"[{label}] {c} x{b}: {ntok} tokens in {wall:.1f}s "
                  f"({row['out_tok_s']:.2f} tok/s)"
                  + (f" s={row['s']:.3f} h={row['h']:.2f}; proposer {row['propose_s']:.1f}s in "
-                    f"{row['draft_forwards']} draft forwards, {row['verify_steps']} engine steps"
+                    f"{row['draft_forwards']} draft forwards ({row['select_s'] or 0:.2f}s choosing "
+                    f"pages), {row['verify_steps']} engine steps"
                     if with_plans else ""))
     return rows
 
@@ -206,6 +225,8 @@ def main(argv=None):
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--budget-ratio", type=float, default=0.1)
+    ap.add_argument("--access-budget", type=float, default=0.15,
+                    help="kapc-dynamic / kapc-hybrid: the retained ratio the view reads")
     ap.add_argument("--frontend", default="graph")
     ap.add_argument("--kv-cache-gib", type=int, default=8)
     ap.add_argument("--baseline", choices=("plain", "shared"), default="plain")
@@ -267,7 +288,8 @@ def main(argv=None):
             try:
                 for m in labels:
                     new = run_rows(eng, m, cases, batches, args, with_plans=m.startswith("kapc"),
-                                   accept="top3" if m == "kapc-top3" else None)
+                                   accept="top3" if m.endswith("top3") else None,
+                                   access=access_of(m, args.access_budget))
                     rows += [dict(r, repeat=rep) for r in new]
             finally:
                 eng.close()
@@ -275,7 +297,7 @@ def main(argv=None):
     full = {(r["context"], r["batch"]): r for r in rows if r["method"] == "full"}
     print(f"\nvLLM {ver}, block size {args.block_size}, k={args.k}, {args.max_tokens} output "
           f"tokens, greedy, baseline {args.baseline}")
-    hdr = (f"{'ctx':>6} {'batch':>5} {'method':>9} {'prompt':>7} {'tok/s':>7} {'spread':>6} "
+    hdr = (f"{'ctx':>6} {'batch':>5} {'method':>16} {'prompt':>7} {'tok/s':>7} {'spread':>6} "
            f"{'ratio':>6} "
            f"{'s':>6} {'h':>5} {'tok/cyc':>7} {'same':>5} {'pred(plan)':>10} "
            f"{'pred(run)':>9} {'k':>7} {'fallbk':>6}")
@@ -291,7 +313,7 @@ def main(argv=None):
         def fmt(x, spec):
             return "-" if x is None else format(x, spec)
 
-        print(f"{r['context']:>6} {r['batch']:>5} {r['method']:>9} {r['prompt_tokens']:>7.0f} "
+        print(f"{r['context']:>6} {r['batch']:>5} {r['method']:>16} {r['prompt_tokens']:>7.0f} "
               f"{r['out_tok_s']:>7.2f} {fmt(r['spread'], '.0%'):>6} {fmt(ratio, '.2f'):>6} "
               f"{fmt(r.get('s'), '.3f'):>6} "
               f"{fmt(r.get('h'), '.2f'):>5} {fmt(r.get('tokens_per_cycle'), '.2f'):>7} "

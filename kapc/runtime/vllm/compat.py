@@ -157,30 +157,54 @@ def attention_modules(vllm_config, layout: AttentionLayout) -> list:
 
 
 def attention_pre_hooks(vllm_config, layout: AttentionLayout, hook) -> None:
-    """Call `hook(layer_index, query)` before every attention layer runs (query [tokens,
-    heads * head_dim], rotary applied): the model calls each `Attention` module with (q, k, v),
-    so a forward pre-hook sees the layer's true query without a fork of vLLM. Once per engine."""
+    """Call `hook(layer_index, query, key)` before every attention layer runs (query [tokens,
+    heads * head_dim], key [tokens, kv_heads * head_dim], rotary applied): the model calls each
+    `Attention` module with (q, k, v), so a forward pre-hook sees the layer's true query without a
+    fork of vLLM. Once per engine."""
     for i, module in enumerate(attention_modules(vllm_config, layout)):
         if getattr(module, "_kapc_hooked", False):
             continue
-        module.register_forward_pre_hook(lambda mod, args, i=i: hook(i, args[0]))
+        module.register_forward_pre_hook(lambda mod, args, i=i: hook(i, args[0], args[1]))
         module._kapc_hooked = True
+
+
+def _keys_hd_major(kv: torch.Tensor) -> torch.Tensor:
+    """A layer's CPU KV cache [num_blocks, kv_heads, block_size, 2 * head_dim] as its keys
+    [num_blocks, kv_heads, head_dim, block_size]: the CPU kernel keeps each block's keys first,
+    head_dim-major (a key is a column), then its values. `check_key_layout` confirms this on the
+    engine's first draft."""
+    n, kvh, bs, two_hd = kv.shape
+    return kv.view(n, kvh, 2, two_hd // 2, bs)[:, :, 0]
+
+
+def _cpu_cache(module) -> torch.Tensor:
+    kv = module.kv_cache
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.device.type != "cpu":
+        raise UnsupportedAttention("per-page key bounds read vLLM's CPU KV cache layout; this "
+                                   "engine's is not it")
+    return kv
 
 
 def key_bounds(vllm_config, layout: AttentionLayout, blocks: list[int]):
     """Element-wise min and max of the keys in KV `blocks`, per layer and KV head: two tensors
-    [layers, kv_heads, len(blocks), head_dim]. The CPU cache of a layer is
-    [num_blocks, kv_heads, block_size, 2 * head_dim], read by the kernel as K rows then V rows
-    ([num_blocks, kv_heads, 2 * block_size, head_dim]); other layouts are refused."""
+    [layers, kv_heads, len(blocks), head_dim]."""
     lo, hi = [], []
+    index = torch.tensor(blocks, dtype=torch.long)
     for module in attention_modules(vllm_config, layout):
-        kv = module.kv_cache
-        if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.device.type != "cpu":
-            raise UnsupportedAttention("per-page key bounds read vLLM's CPU KV cache layout; "
-                                       "this engine's is not it")
-        n, kvh, bs, two_hd = kv.shape
-        k = kv.view(n, kvh, 2 * bs, two_hd // 2)[:, :, :bs]
-        kb = k.index_select(0, torch.tensor(blocks, dtype=torch.long))  # [m, kvh, bs, hd]
-        lo.append(kb.amin(dim=2).transpose(0, 1))
-        hi.append(kb.amax(dim=2).transpose(0, 1))
+        k = _keys_hd_major(_cpu_cache(module)).index_select(0, index)  # [m, kvh, hd, bs]
+        lo.append(k.amin(dim=3).transpose(0, 1))
+        hi.append(k.amax(dim=3).transpose(0, 1))
     return torch.stack(lo), torch.stack(hi)
+
+
+def check_key_layout(vllm_config, layout: AttentionLayout, slot: int, key: torch.Tensor) -> None:
+    """Confirm that `key` [kv_heads, head_dim], just written by layer 0 at `slot`, reads back
+    through the layout `key_bounds` assumes; raise UnsupportedAttention if not (another kernel,
+    ISA or dtype may pack keys differently)."""
+    module = attention_modules(vllm_config, layout)[0]
+    keys = _keys_hd_major(_cpu_cache(module))
+    bs = keys.shape[-1]
+    got = keys[slot // bs, :, :, slot % bs]
+    if not torch.allclose(got.float(), key.float(), rtol=1e-2, atol=1e-3):
+        raise UnsupportedAttention("vLLM's CPU KV cache does not hold keys where kapc reads them "
+                                   "(head_dim-major per block): query-aware pages are off")

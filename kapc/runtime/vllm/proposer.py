@@ -98,6 +98,7 @@ class _ReqState:
     access: object = None  # a dynamic or hybrid kapc.policy.AccessPolicy (None: static view)
     forced_blocks: np.ndarray | None = None  # prompt blocks a dynamic view always reads
     keep: int = 0  # prompt blocks before the tail a dynamic view reads
+    static_visible: int = 0  # prompt tokens the plan's own (static) view shows
     bounds: tuple | None = None  # (key min, key max, pool blocks) of the full prompt blocks
 
     def as_dict(self) -> dict:
@@ -142,6 +143,10 @@ class KapProposer:
                        "forecast_s": 0.0, "plain_forecast_s": 0.0, "select_s": 0.0,
                        "select_choices": 0}
         self._router = None  # the page choice of the draft forward running now, if any
+        # None: not yet checked that keys read back where key_bounds reads them; then True, or
+        # the reason query-aware pages are off on this engine
+        self._key_layout: bool | str | None = None
+        self._key_probe = None
         self._stacked = None  # (rows' tags, KeySummaries) while the same rows draft together
         # One record per engine step, for calibration: (entered, left, rows in the batch, rows
         # that drafted, draft forwards, seconds inside those forwards). The time from one call's
@@ -198,8 +203,10 @@ class KapProposer:
             self._profile = self._find_profile(runner)
             compat.attention_pre_hooks(self.vllm_config, self._layout, self._before_attention)
 
-    def _before_attention(self, layer: int, query) -> None:
+    def _before_attention(self, layer: int, query, key) -> None:
         if self._router is not None:
+            if layer == 0 and self._key_layout is None:
+                self._key_probe = key[0].detach().clone()
             self._router.apply(layer, query)
 
     def _find_profile(self, runner):
@@ -291,7 +298,7 @@ class KapProposer:
             # A plan compiled for another block size runs on the engine's blocks (kapc.policy).
             blocks = engine_blocks(plan.positions, P, bs)
             st.selected, st.tail_block = blocks[:-1], int(blocks[-1])
-            st.visible_prompt_tokens = visible_tokens(blocks, P, bs)
+            st.visible_prompt_tokens = st.static_visible = visible_tokens(blocks, P, bs)
             self._admit_access(st, opts.get("access"), h.access, P)
             st.retained_ratio = st.visible_prompt_tokens / P
             # with a profile, the step policy judges each step with the real batch, not the
@@ -341,6 +348,9 @@ class KapProposer:
         if access.mode == "static":
             return
         problem = access_problem(access, len(self._layout.layer_names))
+        if not problem and isinstance(self._key_layout, str):
+            st.note = f"static pages: {self._key_layout}"
+            return
         if problem:
             raise PolicyError(problem)
         bs = self.block_size
@@ -482,6 +492,8 @@ class KapProposer:
                     step=step, on_block_table=bind if self._router is not None else None)
             finally:
                 self._router = None
+            if bind is not None and self._key_layout is None and self._key_probe is not None:
+                self._check_key_layout(views[0][2])
             nxt = logits.argmax(dim=-1).tolist()
             self._forward_s += time.perf_counter() - tf
             self.timing["draft_forwards"] += 1
@@ -493,6 +505,28 @@ class KapProposer:
             self.timing["select_s"] += router.seconds
             self.timing["select_choices"] += router.choices
         return drafts
+
+    def _check_key_layout(self, slot: int) -> None:
+        """Once per engine: the key layer 0 just wrote at `slot` must read back where the key
+        bounds are read from; if not, query-aware pages go off for every request (they fall back
+        to their plans' static pages, with the reason in their note)."""
+        attn = compat.attention_modules(self.vllm_config, self._layout)[0]
+        probe = self._key_probe.view(-1, attn.head_size)
+        try:
+            compat.check_key_layout(self.vllm_config, self._layout, slot, probe)
+            self._key_layout = True
+        except UnsupportedAttention as exc:
+            self._key_layout = str(exc)
+            for st in self.states.values():
+                self._static_again(st)
+
+    def _static_again(self, st: _ReqState) -> None:
+        if st.access is None:
+            return
+        st.access, st.bounds = None, None
+        st.visible_prompt_tokens = st.static_visible
+        st.retained_ratio = st.visible_prompt_tokens / st.prompt_tokens
+        st.note = f"static pages: {self._key_layout}"
 
     def _table_router(self, rows):
         """The page choice of this cycle's dynamic rows: their key bounds (read from vLLM's KV
