@@ -3,6 +3,7 @@
     python -m benchmarks.decode                          # 2K/4K/8K x batch 1/4/8 x 128 tokens
     python -m benchmarks.decode --contexts 2048 --batches 1,4 --new-tokens 32   # quick
     python -m benchmarks.decode --plans gold             # oracle plans: the gold passages only
+    python -m benchmarks.decode --contexts 8192 --batches 8 --access static,dynamic:query,hybrid:es-mid
 
 For each context length, real HotpotQA prompts (a question's own ten paragraphs plus hard negatives
 from other questions, up to the length) are prefilled ONCE into the paged KV cache's prefix cache;
@@ -20,6 +21,12 @@ Plans (--plans):
             (`ground,align-spans,select,resolve-pages,compact`), compiled per batch size;
   gold      oracle plans that keep the gold passages' blocks, the instruction (with the
             attention sink), the question and the tail (runtime/prompts.py's prompts).
+
+Access policies (--access, docs/access.md): `static` runs the plans' own pages; `MODE:PROXY`
+(mode dynamic or hybrid, proxy query, es-in, es-mid or es-mix) chooses pages per layer from the
+draft's query within --access-budget of the prompt, against the same full-context run. es-mix
+needs --mix FILE (`kapc calibrate-proxy`). --overlap also scores every proxy's choice against
+the true query's (costs time: leave it off when timing).
 """
 
 from __future__ import annotations
@@ -56,6 +63,12 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--access", default="static",
+                    help="comma list of access policies: static, or MODE:PROXY (dynamic/hybrid, "
+                    "query/es-in/es-mid/es-mix)")
+    ap.add_argument("--access-budget", type=float, default=0.15)
+    ap.add_argument("--mix", default=None, help="ES-Mix calibration for es-mix policies")
+    ap.add_argument("--overlap", action="store_true", help="measure proxy overlap per layer")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
 
@@ -67,6 +80,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     m = load_model(args.model, device=args.device, dtype=args.dtype)
+    policies = _policies(args, m)
     bs, k = args.block_size, args.k
     nb = max(args.batches)
     print(f"model {m.name} on {m.device} ({str(m.dtype).replace('torch.', '')}), "
@@ -91,28 +105,61 @@ def main(argv=None) -> int:
             budgets = args.budget_ratio if args.plans == "frontend" else [None]
             for budget in budgets:
                 plans = [make_plan(B, budget) for _, make_plan in cs]
-                plan_res, pst = ex.generate([Request(ids, plan=pl, max_tokens=args.new_tokens,
-                                                     ignore_eos=True)
-                                             for (ids, _), pl in zip(cs, plans)])
-                row = _row(m, L, B, budget, args, cs, plans, full_res, fst, plan_res, pst)
-                rows.append(row)
-                _print_row(row)
+                for label, access in policies:
+                    ex.measure_overlap = args.overlap and access is not None
+                    plan_res, pst = ex.generate([Request(ids, plan=pl, max_tokens=args.new_tokens,
+                                                         ignore_eos=True, access=access)
+                                                 for (ids, _), pl in zip(cs, plans)])
+                    row = _row(m, L, B, budget, args, cs, plans, full_res, fst, plan_res, pst)
+                    row["access"] = label
+                    rows.append(row)
+                    _print_row(row)
         ex.clear_prefix_cache()
         ex.cache.check_no_leak()
         del ex
     print("\nsummary")
-    print(f"{'ctx':>6} {'B':>3} {'budget':>6} {'full tok/s':>10} {'plan tok/s':>10} {'speedup':>8} "
-          f"{'pred':>6} {'pred@h':>7} {'s':>6} {'h':>5} {'tok/cyc':>7} identical")
+    print(f"{'ctx':>6} {'B':>3} {'budget':>6} {'access':>14} {'full tok/s':>10} {'plan tok/s':>10} "
+          f"{'speedup':>8} {'pred':>6} {'pred@h':>7} {'s':>6} {'h':>5} {'tok/cyc':>7} "
+          f"{'select ms':>9} {'overlap':>7} identical")
     for r in rows:
         budget = "gold" if r["budget_ratio"] is None else f"{r['budget_ratio']:.2f}"
-        print(f"{r['context']:>6} {r['batch']:>3} {budget:>6} {r['full_tok_s']:>10.2f} "
+        p = r["plan"]
+        per_cycle = p["select_s"] * 1000 / max(1, p["cycles"])
+        ov = p["overlap"]
+        print(f"{r['context']:>6} {r['batch']:>3} {budget:>6} {r['access']:>14} "
+              f"{r['full_tok_s']:>10.2f} "
               f"{r['plan_tok_s']:>10.2f} {r['speedup_measured']:>7.2f}x "
               f"{r['speedup_predicted_plan']:>5.2f}x {r['speedup_predicted_observed_h']:>6.2f}x "
-              f"{r['s']:>6.3f} {r['h']:>5.2f} {r['tokens_per_cycle']:>7.2f} {r['identical']}")
+              f"{r['s']:>6.3f} {r['h']:>5.2f} {r['tokens_per_cycle']:>7.2f} {per_cycle:>9.1f} "
+              f"{sum(ov.values()) / len(ov) if ov else float('nan'):>7.2f} {r['identical']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def _policies(args, m) -> list:
+    """(label, AccessPolicy or None) per --access entry."""
+    from kapc.policy import AccessPolicy, access_problem
+
+    mix = ()
+    if args.mix:
+        from kapc.proxy_mix import load_mix
+
+        mix = load_mix(args.mix).mix
+    out = []
+    for spec in (x.strip() for x in args.access.split(",") if x.strip()):
+        if spec == "static":
+            out.append((spec, None))
+            continue
+        mode, _, proxy = spec.partition(":")
+        access = AccessPolicy(mode=mode, budget=args.access_budget, proxy=proxy or "query",
+                              mix=mix if proxy == "es-mix" else ())
+        problem = access_problem(access, m.num_layers)
+        if problem:
+            raise SystemExit(f"--access {spec}: {problem}")
+        out.append((spec, access))
+    return out
 
 
 def _row(m, L, B, budget, args, cs, plans, full_res, fst, plan_res, pst) -> dict:
@@ -193,7 +240,7 @@ def _cases(m, L: int, n: int, args) -> list:
 def _print_row(r: dict) -> None:
     f, p = r["full"], r["plan"]
     budget = "gold passages" if r["budget_ratio"] is None else f"budget {r['budget_ratio']}"
-    print(f"-- batch {r['batch']}, {budget}: full {r['full_tok_s']:.2f} tok/s, plan "
+    print(f"-- batch {r['batch']}, {budget}, access {r.get('access', 'static')}: full {r['full_tok_s']:.2f} tok/s, plan "
           f"{r['plan_tok_s']:.2f} tok/s -> {r['speedup_measured']:.2f}x measured; predicted "
           f"{r['speedup_predicted_plan']:.2f}x "
           f"(assumed h={r['assumed_h']:.2f}), {r['speedup_predicted_observed_h']:.2f}x at the "

@@ -124,3 +124,26 @@ def test_choose_keeps_forced_blocks_then_the_best():
     got = selection.choose(scores, forced, valid, keep=3)
     assert sorted(got[0].tolist()) == [0, 1, 3]
     assert sorted(got[1].tolist()) == [0, 2, 3]
+
+
+def test_calibrate_proxy_writes_a_well_formed_mix(model, tmp_path):
+    """`kapc calibrate-proxy` on a tiny grid: per-layer overlaps of both proxies, the better one
+    chosen per layer, for this model; compact accepts the file."""
+    from typer.testing import CliRunner
+
+    from kapc.cli import app
+    from kapc.proxy_mix import load_mix
+
+    out = tmp_path / "mix.json"
+    result = CliRunner().invoke(app, ["calibrate-proxy", "-o", str(out), "--questions", "1",
+                                      "--context", "700", "--tokens", "6"])
+    assert result.exit_code == 0, result.output
+    mix = load_mix(out)
+    L = model.num_layers
+    assert mix.model_fingerprint == model.fingerprint and len(mix.mix) == L
+    assert mix.overlap_in[0] == mix.overlap_mid[0] == 1.0  # layer 0 uses its own query
+    assert all(0.0 <= x <= 1.0 for x in mix.overlap_in + mix.overlap_mid)
+    assert any(x < 1.0 for x in mix.overlap_in[1:])  # measured, not assumed
+    for a, b, c in zip(mix.overlap_in, mix.overlap_mid, mix.mix):
+        assert c == ("in" if a > b else "mid")
+    assert "layer  es-in  es-mid  choice" in result.output
