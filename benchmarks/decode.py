@@ -57,6 +57,9 @@ def main(argv=None) -> int:
                     default=[0.1], help="select's budget for --plans frontend; a comma list "
                     "sweeps budgets against the same full-context run")
     ap.add_argument("--frontend", default="graph", help="frontend scores for --plans frontend")
+    ap.add_argument("--select", default="",
+                    help="more select options for --plans frontend, e.g. keep-top=5,keep-growth=1 "
+                    "(evidence-driven: --budget-ratio becomes a ceiling)")
     ap.add_argument("--first-question", type=int, default=0,
                     help="HotpotQA dev index of the first question (the batch takes consecutive)")
     ap.add_argument("--model", default=None, help="local Hugging Face folder (default SmolLM2)")
@@ -228,7 +231,7 @@ def _cases(m, L: int, n: int, args) -> list:
             if (B, budget) not in memo:
                 memo[B, budget] = decode_plan(compile_prior(
                     prior, block_size=bs, budget_ratio=budget, k=k, batch=B, ctx=ctx,
-                    accept=args.accept))
+                    accept=args.accept, select=args.select))
             return memo[B, budget]
         ids = [int(t) for t in make(1, args.budget_ratio[0]).prompt_token_ids]
         print(f"  prior q{i} at {L}: {len(ids)} tokens ({time.perf_counter() - t0:.1f}s)",

@@ -49,19 +49,22 @@ def _log(*a):
 
 
 def pipeline_for(block_size: int = 32, budget_ratio: float = 0.2, k: int = 4,
-                 batch: int = 1, accept: str = "greedy") -> str:
-    return (f"ground,align-spans,select{{budget-ratio={budget_ratio}}},"
+                 batch: int = 1, accept: str = "greedy", select: str = "") -> str:
+    """`select` adds select options, e.g. "keep-top=5,keep-growth=1" (evidence-driven: the
+    budget ratio becomes a ceiling)."""
+    extra = f",{select}" if select else ""
+    return (f"ground,align-spans,select{{budget-ratio={budget_ratio}{extra}}},"
             f"resolve-pages{{block-size={block_size}}},"
             f"compact{{k={k},batch={batch},accept={accept}}}")
 
 
 def compile_prior(prior, block_size: int = 32, budget_ratio: float = 0.2, k: int | str = 4,
-                  batch: int = 1, ctx=None, accept: str = "greedy") -> bytes:
+                  batch: int = 1, ctx=None, accept: str = "greedy", select: str = "") -> bytes:
     """A prior (or its JSON file) -> .kapb bytes, compiled for this block size."""
     from kapc.compiler import compile_to_kapb
 
-    return compile_to_kapb(prior, pipeline_for(block_size, budget_ratio, k, batch, accept), ctx,
-                           verify=False)
+    return compile_to_kapb(prior, pipeline_for(block_size, budget_ratio, k, batch, accept,
+                                               select), ctx, verify=False)
 
 
 def model_max_len(model_dir=None) -> int:

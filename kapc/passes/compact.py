@@ -40,7 +40,7 @@ class Compact(Pass):
     expect_acceptance: float = 0.8  # per-draft acceptance p, where no profile says better
     batch: int = 1
     dtype_bytes: int = 4
-    max_retained: float = 0.5
+    max_retained: float = 0.6  # select keeps at most half the prompt; pages round it up
     min_acceptance: float = 0.3
     acceptance_window: int = 32
     on_predicted_loss: bool = True

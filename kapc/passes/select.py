@@ -15,6 +15,9 @@ Evidence-driven selection: `keep-top=N` keeps at most the N best passages, and `
 only passages whose prior is at least x; the budget is then a ceiling, not a target. A fixed
 fraction of the prompt grows with the context around the same evidence; the evidence does not,
 so with these options s falls as the context grows (EarlySelectKV: 40% at 4K to 5.5% at 128K).
+The more passages compete, the likelier a gold one ranks just below the N best: `keep-growth=g`
+adds g passages to N for every doubling of the prompt's passages beyond `growth-from` (16), which
+holds recall level while s still falls (docs/passes.md has the measurements).
 """
 
 from __future__ import annotations
@@ -41,6 +44,15 @@ class Select(Pass):
     window: int = 32
     keep_top: int = 0  # 0: as many passages as the budget allows
     min_prior: float = 0.0
+    keep_growth: float = 0.0  # passages added to keep-top per doubling of the passages ...
+    growth_from: int = 16  # ... beyond this many
+
+    def passage_cap(self, passages: int) -> int:
+        """How many passages at most (0: no cap) for a prompt of `passages` passages."""
+        if not self.keep_top:
+            return 0
+        doublings = math.log2(max(1.0, passages / self.growth_from))
+        return self.keep_top + int(round(self.keep_growth * doublings))
 
     def budget(self, prompt_tokens: int) -> int:
         if self.budget_tokens:
@@ -56,6 +68,10 @@ class Select(Pass):
             return f"budget-ratio must be within (0, 1], not {self.budget_ratio}"
         if not 0.0 <= self.min_prior <= 1.0:
             return f"min-prior must be within [0, 1] (priors are), not {self.min_prior}"
+        if not 0.0 <= self.keep_growth <= 64.0:
+            return f"keep-growth must be within [0, 64], not {self.keep_growth}"
+        if not 1 <= self.growth_from <= MAX_PROMPT_TOKENS:
+            return f"growth-from must be within 1..{MAX_PROMPT_TOKENS}, not {self.growth_from}"
         return None
 
     def run(self, module: ir.Module, ctx: CompileContext) -> ir.Module:
@@ -95,10 +111,11 @@ class Select(Pass):
         dropped = []
         used = mandatory
         taken = 0
+        cap = self.passage_cap(len(module.evidence))
         for _, ev in order:
             span = spans[ev.id].tokens
             cost = len(span) - int(np.count_nonzero(mask[span.start:span.end]))
-            wanted = (not self.keep_top or taken < self.keep_top) and ev.prior >= self.min_prior
+            wanted = (not cap or taken < cap) and ev.prior >= self.min_prior
             if wanted and used + cost <= budget:
                 keeps.append(ir.Keep(id=ev.id, tokens=span, why="evidence", prior=ev.prior))
                 mask[span.start:span.end] = True

@@ -108,6 +108,28 @@ def test_select_keeps_the_evidence_not_a_fraction(path, ctx):
     assert chosen == {i for i, p in prior.items() if p >= cut}
 
 
+def test_keep_growth_adds_passages_per_doubling_of_the_passages():
+    from kapc.passes.select import Select
+
+    sel = Select(keep_top=5, keep_growth=1.0, growth_from=16)
+    assert [sel.passage_cap(n) for n in (10, 16, 28, 32, 57, 64, 128)] == [5, 5, 6, 6, 7, 7, 8]
+    assert Select(keep_top=5).passage_cap(1000) == 5  # no growth unless asked
+    assert Select().passage_cap(1000) == 0  # no cap at all
+
+
+def test_keep_growth_keeps_the_best_passages_up_to_the_grown_cap(ctx):
+    """A prompt of ~10 passages with growth-from=5: one doubling, so keep-top=1 keeps 2."""
+    path = CASES[0]
+    wide = compiled(path, ctx, "ground,align-spans,select{budget-ratio=0.9}")
+    prior = {e.id: e.prior for e in wide.evidence}
+    best = sorted(prior, key=lambda i: -prior[i])
+    n = len(prior)
+    m = compiled(path, ctx, f"ground,align-spans,select{{budget-ratio=0.9,keep-top=1,"
+                            f"keep-growth=1,growth-from={n // 2}}}")
+    chosen = [k.id for k in m.keep if k.why == "evidence"]
+    assert sorted(chosen) == sorted(best[:2])
+
+
 def test_select_evidence_options_are_checked():
     from kapc.passes.base import PassError
 
@@ -115,6 +137,8 @@ def test_select_evidence_options_are_checked():
         parse_pipeline("ground,align-spans,select{min-prior=1.5}")
     with pytest.raises(PassError, match="keep-top must be within"):
         parse_pipeline("ground,align-spans,select{keep-top=-1}")
+    with pytest.raises(PassError, match="keep-growth must be within"):
+        parse_pipeline("ground,align-spans,select{keep-top=5,keep-growth=-1}")
 
 
 @pytest.mark.parametrize("bs", [16, 32, 128])
