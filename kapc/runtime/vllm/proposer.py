@@ -26,6 +26,7 @@ no proposals; the reason is recorded and reported through `KapWorkerExtension.ka
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -67,6 +68,9 @@ def attention_problems(hf_config) -> list[str]:
     return problems
 
 
+_serials = itertools.count(1)
+
+
 @dataclass
 class _ReqState:
     tag: str
@@ -99,6 +103,7 @@ class _ReqState:
     forced_blocks: np.ndarray | None = None  # prompt blocks a dynamic view always reads
     keep: int = 0  # prompt blocks before the tail a dynamic view reads
     static_visible: int = 0  # prompt tokens the plan's own (static) view shows
+    serial: int = field(default_factory=lambda: next(_serials))  # unique for the process
     bounds: tuple | None = None  # (key min, key max, pool blocks) of the full prompt blocks
 
     def as_dict(self) -> dict:
@@ -539,7 +544,7 @@ class KapProposer:
                 pool = [int(b) for b in blocks[:st.tail_block]]
                 lo, hi = compat.key_bounds(self.vllm_config, self._layout, pool)
                 st.bounds = (lo, hi, torch.tensor(pool, dtype=torch.long))
-        key = tuple(id(r[1]) for r in rows)
+        key = tuple(r[1].serial for r in rows)
         if self._stacked is None or self._stacked[0] != key:
             self._stacked = (key, KeySummaries.stack([r[1].bounds for r in rows]))
         summ = self._stacked[1]
