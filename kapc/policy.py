@@ -291,8 +291,8 @@ class AccessPolicy(msgspec.Struct, frozen=True, kw_only=True):
     - `static`: the plan's pages (`selected_blocks`);
     - `dynamic`: pages chosen from the draft's own query against per-page key bounds, up to
       `budget` (a retained ratio of the prompt), plus the attention sink and the tail;
-    - `hybrid`: the plan's pages plus the query's best pages, `budget` in all (never fewer
-      than the plan's own).
+    - `hybrid`: the plan's pages (the query's best of them, up to half the budget) plus the
+      query's best of all the others, `budget` in all.
 
     `proxy` is the query the choice is made from: `query` (each layer's true query), `es-in` or
     `es-mid` (the previous layer's input or post-attention state through this layer's query
@@ -340,11 +340,19 @@ def access_problem(access, num_layers: int | None = None) -> str | None:
 def access_keep_blocks(access, prompt_tokens: int, block_size: int, forced: int) -> int:
     """How many full prompt blocks (those before the tail block) a dynamic or hybrid proposal
     reads: as many as keep the visible prompt, tail included, within the budget, and never fewer
-    than the `forced` ones (the sink; a hybrid plan's own pages)."""
+    than the `forced` ones (the attention sink)."""
     tail = (prompt_tokens - 1) // block_size
     tail_tokens = prompt_tokens - tail * block_size
     keep = int((access.budget * prompt_tokens - tail_tokens) // block_size)
     return max(forced, min(keep, tail))
+
+
+def hybrid_quota(plan_blocks: int, free: int) -> int:
+    """How many of a hybrid plan's own blocks its view reads (the query's best of them): all of
+    them, up to half of the `free` blocks the budget leaves after the forced ones. The other half
+    goes to the query's best of every block, so a plan whose pages fill the budget still leaves
+    the query room, and one whose pages are poor cannot crowd it out."""
+    return max(0, min(plan_blocks, free // 2))
 
 
 # ---- monitoring -----------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from kapc.lower.kapb import Plan, PlanMismatch, check_plan_matches, prompt_hash
 from kapc.policy import (AccessPolicy, AcceptanceMonitor, PolicyError, access_keep_blocks,
-                         access_problem,
+                         access_problem, hybrid_quota,
                          accepted_prefix, admit, engine_blocks, parse_accept, visible_tokens)
 from kapc.runtime import attention, selection
 from kapc.runtime.model import RuntimeModel
@@ -133,6 +133,8 @@ class _Seq:
     visible_prompt_tokens: int = 0
     access: AccessPolicy | None = None  # a dynamic or hybrid policy (None: the static view)
     forced_blocks: np.ndarray | None = None  # prompt blocks a dynamic view always reads
+    preferred_blocks: np.ndarray | None = None  # a hybrid plan's own blocks ...
+    quota: int = 0  # ... of which the view reads the query's best this many
     keep: int = 0  # prompt blocks before the tail a dynamic view reads
     summary: tuple | None = None  # (key min, key max, pool blocks) of the prompt's full blocks
     c: int = 0  # committed KV length
@@ -247,8 +249,8 @@ class Executor:
         return s
 
     def _admit_access(self, s: _Seq, access: AccessPolicy, blocks: np.ndarray) -> None:
-        """A dynamic or hybrid policy: which prompt blocks the view always reads (the sink; a
-        hybrid plan's own) and how many it reads in all."""
+        """A dynamic or hybrid policy: which prompt blocks the view always reads (the sink), which
+        it prefers (a hybrid plan's own, up to `hybrid_quota`) and how many it reads in all."""
         if access.mode == "static":
             return
         problem = access_problem(access, self.m.num_layers)
@@ -257,11 +259,12 @@ class Executor:
         bs, P = self.block_size, s.P
         tail = (P - 1) // bs
         forced = {0} if tail > 0 else set()
-        if access.mode == "hybrid":
-            forced |= {int(b) for b in blocks[:-1]}
+        preferred = {int(b) for b in blocks[:-1]} - forced if access.mode == "hybrid" else set()
         s.access = access
         s.forced_blocks = np.array(sorted(forced), dtype=np.int64)
+        s.preferred_blocks = np.array(sorted(preferred), dtype=np.int64)
         s.keep = access_keep_blocks(access, P, bs, len(forced))
+        s.quota = hybrid_quota(len(preferred), s.keep - len(forced))
         s.visible_prompt_tokens = s.keep * bs + (P - tail * bs)
 
     # ---- prefill ------------------------------------------------------------------------------
@@ -517,11 +520,10 @@ class Executor:
         if self._stacked is None or self._stacked[0] != key:
             self._stacked = (key, selection.KeySummaries.stack([s.summary for s in rows]))
         summ = self._stacked[1]
-        forced = torch.zeros_like(summ.valid)
-        for b, s in enumerate(rows):
-            forced[b, torch.from_numpy(s.forced_blocks).to(forced.device)] = True
+        forced, preferred, quota = selection.row_masks(
+            summ.valid, [(s.forced_blocks, s.preferred_blocks, s.quota) for s in rows])
         return selection.Router(self.m, [s.access for s in rows], summ, forced, keep,
-                                self.block_size, stats, self.measure_overlap)
+                                self.block_size, stats, self.measure_overlap, preferred, quota)
 
     # ---- full-context attention -----------------------------------------------------------------
     def _in_place_attention(self, rows: list[tuple[int, int, int]]):

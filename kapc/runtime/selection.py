@@ -75,12 +75,35 @@ def block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid:
     return torch.softmax(ub, dim=-1).sum(dim=(1, 2))
 
 
-def choose(scores: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor, keep: int) -> torch.Tensor:
-    """Indices [rows, keep] of the blocks each row keeps: every forced block first (`forced`
-    [rows, blocks], at most `keep` per row), then the best-scoring others. Rows with fewer than
-    `keep` real blocks repeat one (harmless: the caller masks by count)."""
-    s = scores.masked_fill(forced, float("inf")).masked_fill_(~valid, float("-inf"))
+def choose(scores: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor, keep: int,
+           preferred: torch.Tensor | None = None,
+           quota: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices [rows, keep] of the blocks each row keeps, best first: every forced block
+    (`forced` [rows, blocks], at most `keep` per row), then the `quota[row]` best-scoring of the
+    row's `preferred` blocks (a hybrid plan's own pages), then the best-scoring others. Rows with
+    fewer than `keep` real blocks repeat one (harmless: the caller masks by count)."""
+    s = scores.masked_fill(~valid, float("-inf"))
+    if preferred is not None and quota is not None and int(quota.max()) > 0:
+        q = min(int(quota.max()), s.shape[1])
+        top = s.masked_fill(~preferred, float("-inf")).topk(q, dim=1)
+        wanted = (torch.arange(q, device=s.device)[None, :] < quota[:, None]) \
+            & torch.isfinite(top.values)
+        forced = forced | torch.zeros_like(forced).scatter_(1, top.indices, wanted)
+    s = s.masked_fill(forced, float("inf"))
     return s.topk(min(keep, s.shape[1]), dim=1).indices
+
+
+def row_masks(valid: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row (forced blocks, preferred blocks, quota) as numpy index arrays and an int ->
+    the forced and preferred masks [rows, blocks] and the quota tensor [rows]."""
+    forced = torch.zeros_like(valid)
+    preferred = torch.zeros_like(valid)
+    for b, (f, p, _) in enumerate(rows):
+        forced[b, torch.from_numpy(f).to(valid.device)] = True
+        if p is not None and len(p):
+            preferred[b, torch.from_numpy(p).to(valid.device)] = True
+    quota = torch.tensor([q for _, _, q in rows], dtype=torch.long, device=valid.device)
+    return forced, preferred, quota
 
 
 def proxy_query(layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
@@ -123,9 +146,11 @@ class Router:
     BatchStats: select_s, select_calls, overlap)."""
 
     def __init__(self, model, rows_access: list, summ: KeySummaries, forced: torch.Tensor,
-                 keep: int, block_size: int, stats, measure_overlap: bool = False):
+                 keep: int, block_size: int, stats, measure_overlap: bool = False,
+                 preferred: torch.Tensor | None = None, quota: torch.Tensor | None = None):
         L = model.num_layers
         self.m, self.summ, self.forced, self.keep, self.bs = model, summ, forced, keep, block_size
+        self.preferred, self.quota = preferred, quota
         self.stats, self.measure = stats, measure_overlap
         per_row = [query_sources(a, L) for a in rows_access]
         # per layer: {"in": rows, "mid": rows} whose proxy comes from that earlier state
@@ -166,7 +191,7 @@ class Router:
     def _choose(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         s = self.summ
         scores = block_scores(q, s.kmin[layer], s.kmax[layer], s.valid, self.m.scaling)
-        return choose(scores, self.forced, s.valid, self.keep)
+        return choose(scores, self.forced, s.valid, self.keep, self.preferred, self.quota)
 
     def slots(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Pool slots of the blocks each dynamic row reads at `layer`, given the rows' true queries
@@ -202,8 +227,10 @@ class TableRouter:
     every step)."""
 
     def __init__(self, summ: KeySummaries, forced: torch.Tensor, keep: list[int], heads: int,
-                 head_dim: int, scale: float):
+                 head_dim: int, scale: float, preferred: torch.Tensor | None = None,
+                 quota: torch.Tensor | None = None):
         self.summ, self.forced, self.keep = summ, forced, list(keep)
+        self.preferred, self.quota = preferred, quota
         self.widest = max(self.keep)
         self.heads, self.head_dim, self.scale = heads, head_dim, scale
         self.chosen: dict[int, torch.Tensor] = {}  # layer -> pool blocks [rows, keep]
@@ -226,7 +253,7 @@ class TableRouter:
             s = self.summ
             scores = block_scores(q.to(s.kmin.dtype), s.kmin[layer], s.kmax[layer], s.valid,
                                   self.scale)
-            idx = choose(scores, self.forced, s.valid, self.widest)
+            idx = choose(scores, self.forced, s.valid, self.widest, self.preferred, self.quota)
             self.chosen[layer] = s.tables.gather(1, idx).to(self.table.dtype)
             self.choices += 1
         chosen = self.chosen[layer]

@@ -147,3 +147,17 @@ def test_calibrate_proxy_writes_a_well_formed_mix(model, tmp_path):
     for a, b, c in zip(mix.overlap_in, mix.overlap_mid, mix.mix):
         assert c == ("in" if a > b else "mid")
     assert "layer  es-in  es-mid  choice" in result.output
+
+
+def test_hybrid_reads_the_querys_best_of_the_plans_pages_up_to_its_quota():
+    from kapc.policy import hybrid_quota
+
+    scores = torch.tensor([[0.0, 0.9, 0.1, 0.2, 0.8, 0.7]])
+    forced = torch.tensor([[True, False, False, False, False, False]])  # the sink
+    valid = torch.ones(1, 6, dtype=torch.bool)
+    plan = torch.tensor([[False, False, True, True, False, True]])  # the plan's pages 2, 3, 5
+    got = selection.choose(scores, forced, valid, keep=4, preferred=plan,
+                           quota=torch.tensor([hybrid_quota(3, 4 - 1)]))
+    # sink, then the best one of the plan's pages (5), then the query's best others (1, 4)
+    assert sorted(got[0].tolist()) == [0, 1, 4, 5]
+    assert hybrid_quota(3, 10) == 3 and hybrid_quota(8, 10) == 5 and hybrid_quota(2, 1) == 0

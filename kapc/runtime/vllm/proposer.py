@@ -101,6 +101,8 @@ class _ReqState:
     per_pos: list[int] = field(default_factory=list)
     access: object = None  # a dynamic or hybrid kapc.policy.AccessPolicy (None: static view)
     forced_blocks: np.ndarray | None = None  # prompt blocks a dynamic view always reads
+    preferred_blocks: np.ndarray | None = None  # a hybrid plan's own blocks ...
+    quota: int = 0  # ... of which the view reads the query's best this many
     keep: int = 0  # prompt blocks before the tail a dynamic view reads
     static_visible: int = 0  # prompt tokens the plan's own (static) view shows
     serial: int = field(default_factory=lambda: next(_serials))  # unique for the process
@@ -342,7 +344,8 @@ class KapProposer:
         without a fork, so an ES proxy runs as the query it stands in for (noted)."""
         import msgspec
 
-        from kapc.policy import AccessPolicy, PolicyError, access_keep_blocks, access_problem
+        from kapc.policy import (AccessPolicy, PolicyError, access_keep_blocks, access_problem,
+                                 hybrid_quota)
 
         access = planned
         if override is not None:
@@ -360,11 +363,12 @@ class KapProposer:
             raise PolicyError(problem)
         bs = self.block_size
         forced = {0} if st.tail_block > 0 else set()
-        if access.mode == "hybrid":
-            forced |= {int(b) for b in st.selected}
+        preferred = {int(b) for b in st.selected} - forced if access.mode == "hybrid" else set()
         st.access = access
         st.forced_blocks = np.array(sorted(forced), dtype=np.int64)
+        st.preferred_blocks = np.array(sorted(preferred), dtype=np.int64)
         st.keep = access_keep_blocks(access, P, bs, len(forced))
+        st.quota = hybrid_quota(len(preferred), st.keep - len(forced))
         st.visible_prompt_tokens = st.keep * bs + (P - st.tail_block * bs)
         if access.proxy != "query":
             st.note = f"proxy {access.proxy} runs as each layer's own query in the vLLM hook"
@@ -537,7 +541,7 @@ class KapProposer:
         """The page choice of this cycle's dynamic rows: their key bounds (read from vLLM's KV
         cache once per request, the first time it drafts) stacked once for as long as the same
         rows draft together."""
-        from kapc.runtime.selection import KeySummaries, TableRouter
+        from kapc.runtime.selection import KeySummaries, TableRouter, row_masks
 
         for _, st, _, blocks, _ in rows:
             if st.bounds is None:
@@ -548,12 +552,12 @@ class KapProposer:
         if self._stacked is None or self._stacked[0] != key:
             self._stacked = (key, KeySummaries.stack([r[1].bounds for r in rows]))
         summ = self._stacked[1]
-        forced = torch.zeros_like(summ.valid)
-        for b, (_, st, *_) in enumerate(rows):
-            forced[b, torch.from_numpy(st.forced_blocks)] = True
+        forced, preferred, quota = row_masks(
+            summ.valid, [(st.forced_blocks, st.preferred_blocks, st.quota) for _, st, *_ in rows])
         attn = compat.attention_modules(self.vllm_config, self._layout)[0]
         return TableRouter(summ, forced, keep=[r[1].keep for r in rows], heads=attn.num_heads,
-                           head_dim=attn.head_size, scale=float(attn.impl.scale))
+                           head_dim=attn.head_size, scale=float(attn.impl.scale),
+                           preferred=preferred, quota=quota)
 
 
 # ---- the pure parts (tested without an engine) ---------------------------------------------
