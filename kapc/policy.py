@@ -347,6 +347,36 @@ def access_keep_blocks(access, prompt_tokens: int, block_size: int, forced: int)
     return max(forced, min(keep, tail))
 
 
+@dataclass(frozen=True)
+class AccessView:
+    """What a dynamic or hybrid view reads of a prompt, before any query is seen: the `forced`
+    blocks (the attention sink), the `preferred` ones (a hybrid plan's own), of which the query's
+    best `quota`, and `keep` full prompt blocks in all, plus the tail: `visible` prompt tokens."""
+
+    forced: np.ndarray
+    preferred: np.ndarray
+    quota: int
+    keep: int
+    visible: int
+
+
+def access_view(access, plan_blocks: np.ndarray, prompt_tokens: int, block_size: int) -> AccessView:
+    """The view a dynamic or hybrid `access` policy reads, for a plan whose engine blocks are
+    `plan_blocks` (ascending, the tail last: `engine_blocks`). Raises PolicyError for a bad
+    policy. Both runtimes call this, so they read the same blocks."""
+    problem = access_problem(access)
+    if problem:
+        raise PolicyError(problem)
+    tail = (prompt_tokens - 1) // block_size
+    forced = {0} if tail > 0 else set()
+    preferred = {int(b) for b in plan_blocks[:-1]} - forced if access.mode == "hybrid" else set()
+    keep = access_keep_blocks(access, prompt_tokens, block_size, len(forced))
+    return AccessView(forced=np.array(sorted(forced), dtype=np.int64),
+                      preferred=np.array(sorted(preferred), dtype=np.int64),
+                      quota=hybrid_quota(len(preferred), keep - len(forced)), keep=keep,
+                      visible=keep * block_size + prompt_tokens - tail * block_size)
+
+
 def hybrid_quota(plan_blocks: int, free: int) -> int:
     """How many of a hybrid plan's own blocks its view reads (the query's best of them): all of
     them, up to half of the `free` blocks the budget leaves after the forced ones. The other half

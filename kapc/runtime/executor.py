@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from kapc.lower.kapb import Plan, PlanMismatch, check_plan_matches, prompt_hash
-from kapc.policy import (AccessPolicy, AcceptanceMonitor, PolicyError, access_keep_blocks,
-                         access_problem, hybrid_quota,
-                         accepted_prefix, admit, engine_blocks, parse_accept, visible_tokens)
+from kapc.policy import (AccessPolicy, AccessView, AcceptanceMonitor, PolicyError,
+                         access_problem, access_view, accepted_prefix, admit, engine_blocks,
+                         parse_accept, visible_tokens)
 from kapc.runtime import attention, selection
 from kapc.runtime.model import RuntimeModel
 from kapc.runtime.paged_kv import NULL_BLOCK, PagedKVCache, Workspace
@@ -132,10 +132,7 @@ class _Seq:
     visible_slots: torch.Tensor | None = None  # compact prompt slots (plan rows)
     visible_prompt_tokens: int = 0
     access: AccessPolicy | None = None  # a dynamic or hybrid policy (None: the static view)
-    forced_blocks: np.ndarray | None = None  # prompt blocks a dynamic view always reads
-    preferred_blocks: np.ndarray | None = None  # a hybrid plan's own blocks ...
-    quota: int = 0  # ... of which the view reads the query's best this many
-    keep: int = 0  # prompt blocks before the tail a dynamic view reads
+    view: AccessView | None = None  # the blocks a dynamic or hybrid view reads
     summary: tuple | None = None  # (key min, key max, pool blocks) of the prompt's full blocks
     c: int = 0  # committed KV length
     carry: int = -1  # last emitted token, not yet in the KV cache
@@ -249,23 +246,14 @@ class Executor:
         return s
 
     def _admit_access(self, s: _Seq, access: AccessPolicy, blocks: np.ndarray) -> None:
-        """A dynamic or hybrid policy: which prompt blocks the view always reads (the sink), which
-        it prefers (a hybrid plan's own, up to `hybrid_quota`) and how many it reads in all."""
+        """A dynamic or hybrid policy: the blocks its view reads (kapc.policy.access_view)."""
         if access.mode == "static":
             return
         problem = access_problem(access, self.m.num_layers)
         if problem:
             raise PolicyError(problem)
-        bs, P = self.block_size, s.P
-        tail = (P - 1) // bs
-        forced = {0} if tail > 0 else set()
-        preferred = {int(b) for b in blocks[:-1]} - forced if access.mode == "hybrid" else set()
-        s.access = access
-        s.forced_blocks = np.array(sorted(forced), dtype=np.int64)
-        s.preferred_blocks = np.array(sorted(preferred), dtype=np.int64)
-        s.keep = access_keep_blocks(access, P, bs, len(forced))
-        s.quota = hybrid_quota(len(preferred), s.keep - len(forced))
-        s.visible_prompt_tokens = s.keep * bs + (P - tail * bs)
+        s.access, s.view = access, access_view(access, blocks, s.P, self.block_size)
+        s.visible_prompt_tokens = s.view.visible
 
     # ---- prefill ------------------------------------------------------------------------------
     def _prefill_all(self, seqs: list[_Seq]) -> None:
@@ -451,7 +439,7 @@ class Executor:
         B = len(plan_rows)
         kmax = max(kb for _, kb in plan_rows)
         dyn = [b for b, (s, _) in enumerate(plan_rows) if s.access is not None]
-        keepmax = max((plan_rows[b][0].keep for b in dyn), default=0)
+        keepmax = max((plan_rows[b][0].view.keep for b in dyn), default=0)
         D = keepmax * bs
         fixed = []
         for s, _ in plan_rows:
@@ -464,7 +452,8 @@ class Executor:
         for b, f in enumerate(fixed):
             index[b, D:D + f.numel()] = f
             valid[b, D:D + f.numel()] = True
-            valid[b, :plan_rows[b][0].keep * bs] = True
+            if plan_rows[b][0].view is not None:
+                valid[b, :plan_rows[b][0].view.keep * bs] = True
         route = self._router([plan_rows[b][0] for b in dyn], keepmax, stats) if dyn else None
         dyn_t = torch.tensor(dyn, dtype=torch.long, device=dev)
         bidx = torch.arange(B, device=dev)
@@ -521,7 +510,7 @@ class Executor:
             self._stacked = (key, selection.KeySummaries.stack([s.summary for s in rows]))
         summ = self._stacked[1]
         forced, preferred, quota = selection.row_masks(
-            summ.valid, [(s.forced_blocks, s.preferred_blocks, s.quota) for s in rows])
+            summ.valid, [(s.view.forced, s.view.preferred, s.view.quota) for s in rows])
         return selection.Router(self.m, [s.access for s in rows], summ, forced, keep,
                                 self.block_size, stats, self.measure_overlap, preferred, quota)
 

@@ -1,4 +1,4 @@
-"""Query-aware page selection for the reference executor (EarlySelectKV over Quest's K-summaries).
+"""Query-aware page selection (EarlySelectKV over Quest's K-summaries), for both runtimes.
 
 - **K-summaries.** For every full prompt block of a request, per layer and KV head, the element-wise
   min and max of its keys (`KeySummaries`, built once after prefill). For a query q,
@@ -8,14 +8,17 @@
 - **Scoring.** Each query head's bounds are turned into a softmax over the row's blocks (how much
   of that head's attention a block could draw), and the heads' shares are summed: a block that
   matters to any head ranks high.
-- **Choosing.** `choose` keeps the forced blocks (the attention sink, and for a hybrid plan the
-  plan's own blocks) and fills the budget with the best-scoring others.
+- **Choosing.** `choose` keeps the forced blocks (the attention sink), then the query's best of a
+  hybrid plan's own blocks up to its quota (kapc.policy.access_view), and fills the budget with
+  the best-scoring others.
 - **Proxy queries.** `proxy_query` builds the next layer's query from an earlier hidden state
   (ES-In: the layer's input; ES-Mid: after its attention), through the next layer's norm, query
   projection and rotary embedding at the true position, so the next layer's pages can be chosen one
   layer ahead.
 
-Everything is batched over the rows of a draft cycle.
+Everything is batched over the rows of a draft cycle. `Router` serves the reference executor
+(which gathers each layer's chosen K/V); `TableRouter` the vLLM hook (which edits the block table
+vLLM's kernel reads).
 """
 
 from __future__ import annotations

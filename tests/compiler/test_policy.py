@@ -182,3 +182,20 @@ def test_compact_uses_a_profile_and_chooses_k(ctx, tmp_path):
     with pytest.raises(PassError, match="calibrated for another model"):
         compile_module(prior, f"ground,align-spans,select,resolve-pages,compact{{profile={other}}}",
                        ctx)
+
+
+def test_access_view_reads_the_sink_the_plans_best_share_and_the_tail():
+    import numpy as np
+
+    from kapc.policy import AccessPolicy, PolicyError, access_view
+
+    # 1000 tokens of 16: blocks 0..61, tail block 62 (8 tokens); budget 0.2 = 200 tokens
+    plan = np.array([0, 3, 4, 5, 6, 7, 8, 9, 10, 62])
+    dyn = access_view(AccessPolicy(mode="dynamic", budget=0.2), plan, 1000, 16)
+    assert dyn.forced.tolist() == [0] and dyn.preferred.size == 0 and dyn.quota == 0
+    assert dyn.keep == (200 - 8) // 16 and dyn.visible == dyn.keep * 16 + 8 <= 200
+    hyb = access_view(AccessPolicy(mode="hybrid", budget=0.2), plan, 1000, 16)
+    assert hyb.preferred.tolist() == [3, 4, 5, 6, 7, 8, 9, 10]  # the sink is forced, not preferred
+    assert hyb.quota == (hyb.keep - 1) // 2  # the plan's 8 pages exceed half of what is left
+    with pytest.raises(PolicyError, match="budget"):
+        access_view(AccessPolicy(mode="hybrid", budget=0.0), plan, 1000, 16)

@@ -100,10 +100,7 @@ class _ReqState:
     forced: bool = False  # run against the cost model's advice: drafts whenever it can
     per_pos: list[int] = field(default_factory=list)
     access: object = None  # a dynamic or hybrid kapc.policy.AccessPolicy (None: static view)
-    forced_blocks: np.ndarray | None = None  # prompt blocks a dynamic view always reads
-    preferred_blocks: np.ndarray | None = None  # a hybrid plan's own blocks ...
-    quota: int = 0  # ... of which the view reads the query's best this many
-    keep: int = 0  # prompt blocks before the tail a dynamic view reads
+    view: object = None  # kapc.policy.AccessView: the blocks a dynamic or hybrid view reads
     static_visible: int = 0  # prompt tokens the plan's own (static) view shows
     serial: int = field(default_factory=lambda: next(_serials))  # unique for the process
     bounds: tuple | None = None  # (key min, key max, pool blocks) of the full prompt blocks
@@ -338,14 +335,13 @@ class KapProposer:
 
     def _admit_access(self, st: _ReqState, override, planned, P: int) -> None:
         """A dynamic or hybrid access policy (the request's `access` option, else the plan's):
-        the blocks the view always reads (the sink; a hybrid plan's own) and how many in all.
+        the blocks its view reads (kapc.policy.access_view).
         Each layer's pages are chosen from that layer's true query at the cycle's first draft
         step: vLLM's fused residual stream leaves no earlier-layer state to build a proxy from
         without a fork, so an ES proxy runs as the query it stands in for (noted)."""
         import msgspec
 
-        from kapc.policy import (AccessPolicy, PolicyError, access_keep_blocks, access_problem,
-                                 hybrid_quota)
+        from kapc.policy import AccessPolicy, PolicyError, access_problem, access_view
 
         access = planned
         if override is not None:
@@ -356,20 +352,14 @@ class KapProposer:
         if access.mode == "static":
             return
         problem = access_problem(access, len(self._layout.layer_names))
-        if not problem and isinstance(self._key_layout, str):
-            st.note = f"static pages: {self._key_layout}"
-            return
         if problem:
             raise PolicyError(problem)
-        bs = self.block_size
-        forced = {0} if st.tail_block > 0 else set()
-        preferred = {int(b) for b in st.selected} - forced if access.mode == "hybrid" else set()
+        if isinstance(self._key_layout, str):  # keys cannot be read on this engine
+            st.note = f"static pages: {self._key_layout}"
+            return
         st.access = access
-        st.forced_blocks = np.array(sorted(forced), dtype=np.int64)
-        st.preferred_blocks = np.array(sorted(preferred), dtype=np.int64)
-        st.keep = access_keep_blocks(access, P, bs, len(forced))
-        st.quota = hybrid_quota(len(preferred), st.keep - len(forced))
-        st.visible_prompt_tokens = st.keep * bs + (P - st.tail_block * bs)
+        st.view = access_view(access, np.append(st.selected, st.tail_block), P, self.block_size)
+        st.visible_prompt_tokens = st.view.visible
         if access.proxy != "query":
             st.note = f"proxy {access.proxy} runs as each layer's own query in the vLLM hook"
 
@@ -553,9 +543,9 @@ class KapProposer:
             self._stacked = (key, KeySummaries.stack([r[1].bounds for r in rows]))
         summ = self._stacked[1]
         forced, preferred, quota = row_masks(
-            summ.valid, [(st.forced_blocks, st.preferred_blocks, st.quota) for _, st, *_ in rows])
+            summ.valid, [(st.view.forced, st.view.preferred, st.view.quota) for _, st, *_ in rows])
         attn = compat.attention_modules(self.vllm_config, self._layout)[0]
-        return TableRouter(summ, forced, keep=[r[1].keep for r in rows], heads=attn.num_heads,
+        return TableRouter(summ, forced, keep=[r[1].view.keep for r in rows], heads=attn.num_heads,
                            head_dim=attn.head_size, scale=float(attn.impl.scale),
                            preferred=preferred, quota=quota)
 
@@ -580,7 +570,7 @@ def view_blocks(st: _ReqState) -> np.ndarray:
     placeholders (block 0) that the page choice overwrites before each layer reads them."""
     if st.access is None:
         return st.selected
-    return np.zeros(st.keep, dtype=np.int64)
+    return np.zeros(st.view.keep, dtype=np.int64)
 
 
 def draft_budget(k: int, allocated_blocks: int, block_size: int, position: int,
