@@ -390,3 +390,46 @@ def test_query_aware_access_accepts_like_the_reference_executor(engine, cases):
     assert r["visible_prompt_tokens"] == want.visible_prompt_tokens
     assert abs(r["acceptance_rate"] - want.acceptance_rate) <= 0.15, (r["acceptance_rate"],
                                                                       want.acceptance_rate)
+
+
+def _check_wrong_key(worker) -> str:
+    """compat.check_key_layout against the engine's real cache, with a key that was never
+    written: it must refuse (else a layout change would go unnoticed)."""
+    import torch
+
+    from kapc.runtime.vllm import compat
+
+    p = worker.model_runner.drafter
+    attn = compat.attention_modules(p.vllm_config, p._layout)[0]
+    wrong = torch.full((attn.num_kv_heads, attn.head_size), 1234.5)
+    try:
+        compat.check_key_layout(p.vllm_config, p._layout, slot=p.block_size + 1, key=wrong)
+    except compat.UnsupportedAttention as exc:
+        return str(exc)
+    return ""
+
+
+def _key_layout(worker, value) -> None:
+    worker.model_runner.drafter._key_layout = value
+
+
+def test_unreadable_keys_turn_query_aware_pages_off(engine, cases, baseline):
+    """The key-layout check refuses a key that is not where bounds are read; once the engine has
+    found its keys unreadable, dynamic requests run their plans' static pages, say why, and stay
+    identical. SIMULATED: a kernel that packs keys differently cannot be caused on this build, so
+    the second half sets the proposer's recorded verdict."""
+    from kapc.policy import AccessPolicy
+    from kapc.runtime.vllm import generate
+
+    (reason,) = engine.llm.collective_rpc(_check_wrong_key)
+    assert "does not hold keys where kapc reads them" in reason
+    c = cases[1]
+    engine.llm.collective_rpc(_key_layout, args=("simulated: keys unreadable",))
+    try:
+        (r,) = generate(engine, [c.ids], [c.plan], max_tokens=16, honor_predicted_loss=False,
+                        min_acceptance=False, access=AccessPolicy(mode="dynamic", budget=0.25))
+    finally:
+        engine.llm.collective_rpc(_key_layout, args=(True,))
+    assert r["access"] == "static" and "keys unreadable" in r["note"]
+    assert r["retained_ratio"] == pytest.approx(r["plan_retained_ratio"], abs=0.05)
+    assert r["tokens"] == baseline[1][:16]
