@@ -17,14 +17,16 @@ plan's assumed h and with the observed h), whether outputs are identical, and wh
 
 Plans (--plans):
   frontend  (default) what a user runs: kapc's graph frontend scores the prompt
-            (kapc.frontend.hybrid.hotpotqa_prior) and the compiler selects --budget-ratio of it
-            (`ground,align-spans,select,resolve-pages,compact`), compiled per batch size;
+            (kapc.frontend.hybrid.hotpotqa_prior) and the compiler selects with the default
+            pipeline's select (the top passages by prior within --budget-ratio; --select
+            changes its options), compiled per batch size;
   gold      oracle plans that keep the gold passages' blocks, the instruction (with the
             attention sink), the question and the tail (runtime/prompts.py's prompts).
 
 Access policies (--access, docs/access.md): `static` runs the plans' own pages; `MODE:PROXY`
 (mode dynamic or hybrid, proxy query, es-in, es-mid or es-mix) chooses pages per layer from the
-draft's query within --access-budget of the prompt, against the same full-context run. es-mix
+draft's query within --access-budget of the prompt (`plan`: each plan's own s, matched budgets),
+against the same full-context run. --accept greedy,top3 runs every policy under each rule. es-mix
 needs --mix FILE (`kapc calibrate-proxy`). --overlap also scores every proxy's choice against
 the true query's (costs time: leave it off when timing).
 """
@@ -36,6 +38,8 @@ import json
 import os
 import sys
 import time
+
+from benchmarks.vllm_decode import access_budget, default_select
 
 
 def _ints(s: str) -> list[int]:
@@ -50,16 +54,19 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=_ints, default=[1, 4, 8], help="batch sizes")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=6, help="proposal length")
-    ap.add_argument("--accept", default="greedy", help="greedy or topN")
+    ap.add_argument("--accept", type=lambda v: [x for x in v.split(",") if x], default=["greedy"],
+                    help="comma list of acceptance rules: greedy, topN")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--plans", choices=("frontend", "gold"), default="frontend")
+    budget, select = default_select()
     ap.add_argument("--budget-ratio", type=lambda v: [float(x) for x in v.split(",") if x],
-                    default=[0.1], help="select's budget for --plans frontend; a comma list "
+                    default=[budget], help="select's budget for --plans frontend; a comma list "
                     "sweeps budgets against the same full-context run")
     ap.add_argument("--frontend", default="graph", help="frontend scores for --plans frontend")
-    ap.add_argument("--select", default="",
-                    help="more select options for --plans frontend, e.g. keep-top=5,keep-growth=1 "
-                    "(evidence-driven: --budget-ratio becomes a ceiling)")
+    ap.add_argument("--select", default=select,
+                    help="more select options for --plans frontend (default: the default "
+                    "pipeline's, evidence-driven: --budget-ratio is a ceiling; '' for a fixed "
+                    "fraction)")
     ap.add_argument("--first-question", type=int, default=0,
                     help="HotpotQA dev index of the first question (the batch takes consecutive)")
     ap.add_argument("--model", default=None, help="local Hugging Face folder (default SmolLM2)")
@@ -69,7 +76,9 @@ def main(argv=None) -> int:
     ap.add_argument("--access", default="static",
                     help="comma list of access policies: static, or MODE:PROXY (dynamic/hybrid, "
                     "query/es-in/es-mid/es-mix)")
-    ap.add_argument("--access-budget", type=float, default=0.15)
+    ap.add_argument("--access-budget", type=access_budget, default=0.15,
+                    help="the retained ratio dynamic and hybrid views read, or 'plan' for each "
+                    "plan's own s")
     ap.add_argument("--mix", default=None, help="ES-Mix calibration for es-mix policies")
     ap.add_argument("--overlap", action="store_true", help="measure proxy overlap per layer")
     ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
@@ -87,7 +96,7 @@ def main(argv=None) -> int:
     bs, k = args.block_size, args.k
     nb = max(args.batches)
     print(f"model {m.name} on {m.device} ({str(m.dtype).replace('torch.', '')}), "
-          f"{torch.get_num_threads()} threads; k={k}, accept={args.accept}, block {bs}, "
+          f"{torch.get_num_threads()} threads; k={k}, accept={','.join(args.accept)}, block {bs}, "
           f"{args.new_tokens} new tokens", flush=True)
     rows = []
     for L in args.contexts:
@@ -108,20 +117,24 @@ def main(argv=None) -> int:
             budgets = args.budget_ratio if args.plans == "frontend" else [None]
             for budget in budgets:
                 plans = [make_plan(B, budget) for _, make_plan in cs]
-                for label, access in policies:
-                    ex.measure_overlap = args.overlap and access is not None
-                    plan_res, pst = ex.generate([Request(ids, plan=pl, max_tokens=args.new_tokens,
-                                                         ignore_eos=True, access=access)
-                                                 for (ids, _), pl in zip(cs, plans)])
-                    row = _row(m, L, B, budget, args, cs, plans, full_res, fst, plan_res, pst)
-                    row["access"] = label
-                    rows.append(row)
-                    _print_row(row)
+                for rule in args.accept:
+                    for label, access in policies:
+                        ex.measure_overlap = args.overlap and access is not None
+                        plan_res, pst = ex.generate([
+                            Request(ids, plan=pl, max_tokens=args.new_tokens, ignore_eos=True,
+                                    accept=rule, access=_matched(access, pl, args.access_budget))
+                            for (ids, _), pl in zip(cs, plans)])
+                        row = _row(m, L, B, budget, args, cs, plans, full_res, fst, plan_res,
+                                   pst, rule)
+                        row["access"] = label
+                        rows.append(row)
+                        _print_row(row)
         ex.clear_prefix_cache()
         ex.cache.check_no_leak()
         del ex
     print("\nsummary")
-    print(f"{'ctx':>6} {'B':>3} {'budget':>6} {'access':>14} {'full tok/s':>10} {'plan tok/s':>10} "
+    print(f"{'ctx':>6} {'B':>3} {'budget':>6} {'accept':>6} {'access':>14} {'full tok/s':>10} "
+          f"{'plan tok/s':>10} "
           f"{'speedup':>8} {'pred':>6} {'pred@h':>7} {'s':>6} {'h':>5} {'tok/cyc':>7} "
           f"{'select ms':>9} {'overlap':>7} identical")
     for r in rows:
@@ -129,7 +142,7 @@ def main(argv=None) -> int:
         p = r["plan"]
         per_cycle = p["select_s"] * 1000 / max(1, p["cycles"])
         ov = p["overlap"]
-        print(f"{r['context']:>6} {r['batch']:>3} {budget:>6} {r['access']:>14} "
+        print(f"{r['context']:>6} {r['batch']:>3} {budget:>6} {r['accept']:>6} {r['access']:>14} "
               f"{r['full_tok_s']:>10.2f} "
               f"{r['plan_tok_s']:>10.2f} {r['speedup_measured']:>7.2f}x "
               f"{r['speedup_predicted_plan']:>5.2f}x {r['speedup_predicted_observed_h']:>6.2f}x "
@@ -139,6 +152,15 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def _matched(access, plan, budget):
+    """The policy for one request: with --access-budget plan, at its plan's own retained ratio."""
+    if access is None or budget != "plan":
+        return access
+    import msgspec
+
+    return msgspec.structs.replace(access, budget=plan.header.retained_ratio)
 
 
 def _policies(args, m) -> list:
@@ -156,7 +178,8 @@ def _policies(args, m) -> list:
             out.append((spec, None))
             continue
         mode, _, proxy = spec.partition(":")
-        access = AccessPolicy(mode=mode, budget=args.access_budget, proxy=proxy or "query",
+        access = AccessPolicy(mode=mode, budget=0.5 if args.access_budget == "plan"
+                              else args.access_budget, proxy=proxy or "query",
                               mix=mix if proxy == "es-mix" else ())
         problem = access_problem(access, m.num_layers)
         if problem:
@@ -165,7 +188,7 @@ def _policies(args, m) -> list:
     return out
 
 
-def _row(m, L, B, budget, args, cs, plans, full_res, fst, plan_res, pst) -> dict:
+def _row(m, L, B, budget, args, cs, plans, full_res, fst, plan_res, pst, rule) -> dict:
     from kapc.policy import predicted_speedup
 
     k = args.k
@@ -180,7 +203,7 @@ def _row(m, L, B, budget, args, cs, plans, full_res, fst, plan_res, pst) -> dict
     return {
         "context": L, "prompt_tokens": sum(len(ids) for ids, _ in cs) / B, "plans": args.plans,
         "budget_ratio": budget, "batch": B, "new_tokens": args.new_tokens, "k": k,
-        "accept": args.accept, "full_tok_s": ftps, "plan_tok_s": ptps,
+        "accept": rule, "full_tok_s": ftps, "plan_tok_s": ptps,
         "speedup_measured": ptps / ftps, "s": s, "h": h,
         "h_per_request": [r.acceptance_rate for r in plan_res],
         "tokens_per_cycle": sum(r.decode_tokens for r in plan_res) /
@@ -211,7 +234,7 @@ def _cases(m, L: int, n: int, args) -> list:
 
             def make(B, budget, p=p, blocks=blocks, i=i):
                 return plan_from_blocks(m, p.token_ids, blocks, block_size=bs, k=k,
-                                        accept=args.accept, batch=B,
+                                        accept=args.accept[0], batch=B,
                                         name=f"hotpotqa-{first + i}-{L}")
             out.append((list(p.token_ids), make))
         return out
@@ -231,7 +254,7 @@ def _cases(m, L: int, n: int, args) -> list:
             if (B, budget) not in memo:
                 memo[B, budget] = decode_plan(compile_prior(
                     prior, block_size=bs, budget_ratio=budget, k=k, batch=B, ctx=ctx,
-                    accept=args.accept, select=args.select))
+                    accept=args.accept[0], select=args.select))
             return memo[B, budget]
         ids = [int(t) for t in make(1, args.budget_ratio[0]).prompt_token_ids]
         print(f"  prior q{i} at {L}: {len(ids)} tokens ({time.perf_counter() - t0:.1f}s)",

@@ -18,9 +18,9 @@ of one `LLM.generate` call with `ignore_eos`. Rows:
 - `kapc-top3`: the same plans with top-3 tolerant acceptance (not lossless: `same` is expected
   to be False; every emitted token is within the full context's top 3);
 - `kapc-dynamic`, `kapc-hybrid`: the same plans, greedy, under a query-aware access policy
-  (`--access-budget` of the prompt chosen per layer from the draft's query; hybrid keeps the
-  plan's pages among them; docs/access.md);
-- `kapc-hybrid-top3`: hybrid with top-3 tolerant acceptance;
+  (`--access-budget` of the prompt, or each plan's own s with `--access-budget plan`, chosen per
+  layer from the draft's query; hybrid keeps the plan's pages among them; docs/access.md);
+- `kapc-dynamic-top3`, `kapc-hybrid-top3`: the same with top-3 tolerant acceptance;
 - `ngram`: vLLM's ngram (prompt lookup) speculative decoding, same k.
 
 Printed per row: output tokens/s (with `--repeat N`, every engine is started N times, alternating,
@@ -49,22 +49,51 @@ def _log(*a):
 
 
 def pipeline_for(block_size: int = 32, budget_ratio: float = 0.2, k: int = 4,
-                 batch: int = 1, accept: str = "greedy", select: str = "") -> str:
+                 batch: int = 1, accept: str = "greedy", select: str = "",
+                 access: str = "static", access_budget: float | str = 0.15) -> str:
     """`select` adds select options, e.g. "keep-top=5,keep-growth=1" (evidence-driven: the
-    budget ratio becomes a ceiling)."""
+    budget ratio becomes a ceiling); `access` dynamic or hybrid reads `access_budget` of the
+    prompt (or "plan": the plan's own s)."""
     extra = f",{select}" if select else ""
+    pages = f",access={access}" + ("" if access == "static" else
+                                   f",access-budget={access_budget}")
     return (f"ground,align-spans,select{{budget-ratio={budget_ratio}{extra}}},"
             f"resolve-pages{{block-size={block_size}}},"
-            f"compact{{k={k},batch={batch},accept={accept}}}")
+            f"compact{{k={k},batch={batch},accept={accept}{pages}}}")
 
 
 def compile_prior(prior, block_size: int = 32, budget_ratio: float = 0.2, k: int | str = 4,
-                  batch: int = 1, ctx=None, accept: str = "greedy", select: str = "") -> bytes:
+                  batch: int = 1, ctx=None, accept: str = "greedy", select: str = "",
+                  access: str = "static", access_budget: float | str = 0.15) -> bytes:
     """A prior (or its JSON file) -> .kapb bytes, compiled for this block size."""
     from kapc.compiler import compile_to_kapb
 
     return compile_to_kapb(prior, pipeline_for(block_size, budget_ratio, k, batch, accept,
-                                               select), ctx, verify=False)
+                                               select, access, access_budget), ctx, verify=False)
+
+
+def default_select() -> tuple[float, str]:
+    """The default pipeline's select as (budget ratio, the other options), so benchmarks run the
+    plans users get unless told otherwise."""
+    from kapc.passes import DEFAULT_SELECT_OPTIONS
+
+    opts = dict(DEFAULT_SELECT_OPTIONS)
+    budget = float(opts.pop("budget-ratio"))
+    return budget, ",".join(f"{k}={v}" for k, v in opts.items())
+
+
+def access_budget(text: str):
+    """--access-budget: a retained ratio, or "plan" (each request's own plan's s: matched
+    budgets)."""
+    if text == "plan":
+        return text
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a ratio nor 'plan'") from None
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"{v} is not a ratio in (0, 1]")
+    return v
 
 
 def model_max_len(model_dir=None) -> int:
@@ -84,11 +113,12 @@ def fit_context(target: int, new_tokens: int, k: int, block_size: int) -> int:
 
 
 def build_cases(contexts, n, block_size, k, budget_ratio, batches, frontend, first: int = 0,
-                accept: str = "greedy", new_tokens: int = 0, auto: bool = False):
-    """{context: [(ids, {batch: plan bytes}), ...n]} for HotpotQA dev questions
-    first..first+n-1; prompts are built to `fit_context` of each context. With `auto`, plans are
-    compiled with k=auto against this machine's vllm-cpu calibration profile, one set per
-    acceptance rule: {(batch, rule): plan bytes}."""
+                variants=(("greedy", "static"),), new_tokens: int = 0, auto: bool = False,
+                select: str = "", access_budget: float | str = 0.15):
+    """{context: [(ids, {(batch, rule, access mode): plan bytes}), ...n]} for HotpotQA dev
+    questions first..first+n-1, one plan per batch size and (rule, mode) of `variants`; prompts
+    are built to `fit_context` of each context. With `auto`, plans are compiled with k=auto
+    against this machine's vllm-cpu calibration profile."""
     from kapc.frontend.hybrid import hotpotqa_prior
     from kapc.lower.kapb import decode_plan
     from kapc.passes import CompileContext
@@ -106,17 +136,12 @@ def build_cases(contexts, n, block_size, k, budget_ratio, batches, frontend, fir
             t0 = time.perf_counter()
             prior = hotpotqa_prior(i, context_tokens=fit_context(c, new_tokens, k, block_size),
                                    frontend=frontend)
-            if auto:
-                plans = {(b, rule): compile_prior(prior, block_size=block_size,
-                                                  budget_ratio=budget_ratio, k="auto", batch=b,
-                                                  ctx=ctx, accept=rule)
-                         for b in batches for rule in ("greedy", "top3")}
-                first_plan = plans[(batches[0], "greedy")]
-            else:
-                plans = {b: compile_prior(prior, block_size=block_size, budget_ratio=budget_ratio,
-                                          k=k, batch=b, ctx=ctx, accept=accept) for b in batches}
-                first_plan = plans[batches[0]]
-            ids = [int(t) for t in decode_plan(first_plan).prompt_token_ids]
+            plans = {(b, rule, mode): compile_prior(
+                prior, block_size=block_size, budget_ratio=budget_ratio,
+                k="auto" if auto else k, batch=b, ctx=ctx, accept=rule, select=select,
+                access=mode, access_budget=access_budget)
+                for b in batches for rule, mode in variants}
+            ids = [int(t) for t in decode_plan(next(iter(plans.values()))).prompt_token_ids]
             rows.append((ids, plans))
             _log(f"  prior+plans q{i} at {c}: {len(ids)} tokens "
                  f"({time.perf_counter() - t0:.1f}s)")
@@ -140,21 +165,20 @@ def start_engine(method, cases, batches, args):
 
 
 ENGINE_OF = {"full": "none", "kapc": "kapc", "kapc-top3": "kapc", "kapc-dynamic": "kapc",
-             "kapc-hybrid": "kapc", "kapc-hybrid-top3": "kapc", "ngram": "ngram"}
+             "kapc-dynamic-top3": "kapc", "kapc-hybrid": "kapc", "kapc-hybrid-top3": "kapc",
+             "ngram": "ngram"}
 
 
-def access_of(method: str, budget: float):
-    """The access policy a kapc method runs under (None: the plan's own)."""
-    from kapc.policy import AccessPolicy
-
+def variant_of(method: str) -> tuple[str, str]:
+    """The (acceptance rule, access mode) a kapc method's plans are compiled with."""
+    rule = "top3" if method.endswith("-top3") else "greedy"
     for mode in ("dynamic", "hybrid"):
         if method.startswith(f"kapc-{mode}"):
-            return AccessPolicy(mode=mode, budget=budget)
-    return None
+            return rule, mode
+    return rule, "static"
 
 
-def run_rows(eng, label, cases, batches, args, with_plans: bool, accept: str | None = None,
-             access=None):
+def run_rows(eng, label, cases, batches, args, with_plans: bool):
     from kapc.lower.kapb import decode_plan
     from kapc.policy import predicted_speedup
     from kapc.runtime.vllm import generate
@@ -164,19 +188,13 @@ def run_rows(eng, label, cases, batches, args, with_plans: bool, accept: str | N
         for b in batches:
             ids = [x[0] for x in cs[:b]]
             t0 = time.perf_counter()
-            if with_plans and args.auto:
-                rule = accept or "greedy"
-                plans = [x[1][(b, rule)] for x in cs[:b]]
-            else:
-                plans = [x[1][b] for x in cs[:b]] if with_plans else None
+            plans = [x[1][(b, *variant_of(label))] for x in cs[:b]] if with_plans else None
             # prefill into the prefix cache, and warm the decode (and draft) path up
-            generate(eng, ids, plans, max_tokens=2 * args.k, honor_predicted_loss=False,
-                     access=access)
+            generate(eng, ids, plans, max_tokens=2 * args.k, honor_predicted_loss=False)
             _log(f"[{label}] {c} x{b}: prefill {time.perf_counter() - t0:.1f}s")
             # --auto: the plans decide (predicted loss, acceptance below break-even), as in use
             res = generate(eng, ids, plans, max_tokens=args.max_tokens, ignore_eos=True,
-                           honor_predicted_loss=args.auto, min_acceptance=args.auto,
-                           accept=None if args.auto else accept, access=access)
+                           honor_predicted_loss=args.auto, min_acceptance=args.auto)
             wall = res[0]["batch_s"]
             ntok = sum(r["generated_tokens"] for r in res)
             row = {"context": c, "batch": b, "method": label,
@@ -227,9 +245,14 @@ def main(argv=None):
                     help=f"comma list of {', '.join(ENGINE_OF)}")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--budget-ratio", type=float, default=0.1)
-    ap.add_argument("--access-budget", type=float, default=0.15,
-                    help="kapc-dynamic / kapc-hybrid: the retained ratio the view reads")
+    budget, select = default_select()
+    ap.add_argument("--budget-ratio", type=float, default=budget,
+                    help="select's budget (with the default --select, a ceiling)")
+    ap.add_argument("--select", default=select,
+                    help="more select options (default: the default pipeline's)")
+    ap.add_argument("--access-budget", type=access_budget, default=0.15,
+                    help="kapc-dynamic / kapc-hybrid: the retained ratio the view reads, or "
+                    "'plan' for each plan's own s (matched budgets)")
     ap.add_argument("--frontend", default="graph")
     ap.add_argument("--kv-cache-gib", type=int, default=8)
     ap.add_argument("--baseline", choices=("plain", "shared"), default="plain")
@@ -274,7 +297,10 @@ def main(argv=None):
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
         cases = pool.submit(build_cases, contexts, max(batches), args.block_size, args.k,
                             args.budget_ratio, batches, args.frontend,
-                            new_tokens=args.max_tokens, auto=args.auto).result()
+                            variants=sorted({variant_of(m) for m in methods
+                                             if m.startswith("kapc")}),
+                            new_tokens=args.max_tokens, auto=args.auto, select=args.select,
+                            access_budget=args.access_budget).result()
     rows = []
     # every method runs on one engine; methods sharing an engine share its start and prefills
     engines: dict[str, list[str]] = {}
@@ -290,9 +316,7 @@ def main(argv=None):
             eng = start_engine(kind, cases, batches, args)
             try:
                 for m in labels:
-                    new = run_rows(eng, m, cases, batches, args, with_plans=m.startswith("kapc"),
-                                   accept="top3" if m.endswith("top3") else None,
-                                   access=access_of(m, args.access_budget))
+                    new = run_rows(eng, m, cases, batches, args, with_plans=m.startswith("kapc"))
                     rows += [dict(r, repeat=rep) for r in new]
             finally:
                 eng.close()

@@ -62,13 +62,17 @@ def cost_view(module: Module) -> list[str]:
     verdict = "pays off" if c.pays else "predicted loss: runtime falls back to full context" \
         if module.fallback.on_predicted_loss else "predicted loss"
     p = f" p={c.p:.3f} ->" if c.p is not None else ""
-    lines = [f"# cost ({c.basis}): k={c.k}{p} h={c.h:.3f}, h - s = {c.h - c.s:.3f}, batch={c.batch}"
+    # a query-aware proposal reads its access budget, not the plan's pages: the cost is of that
+    a = module.access
+    s, of = (c.s, "") if a is None or a.mode == "static" else (a.budget, f" ({a.mode} view)")
+    lines = [f"# cost ({c.basis}): k={c.k}{p} h={c.h:.3f}, h - s = {c.h - s:.3f}{of}, "
+             f"batch={c.batch}"
              f" -> predicted speedup {c.speedup:.3f}x ({verdict})"]
     floor = module.fallback.min_acceptance
     if c.break_even is not None:
         why = f"the runtime stops drafting below {floor:.3f}" if c.basis != "memory-bound" else \
             f"the runtime's floor stays {floor:.3f} (only a measured profile sets it to break-even)"
-        lines.append(f"# cost: breaks even at acceptance h = {c.break_even:.3f} for s = {c.s:.3f}"
+        lines.append(f"# cost: breaks even at acceptance h = {c.break_even:.3f} for s = {s:.3f}"
                      f" and k = {c.k}; {why}")
     elif c.by_k:
         lines.append(f"# cost: no acceptance makes this plan pay at k = {c.k}")

@@ -63,8 +63,8 @@ def _build_pass(cls: type[Pass], opts: str) -> Pass:
         typ = hints[names[key]]
         raw = raw.strip()
         try:
-            if typing.get_origin(typ) in (typing.Union, types.UnionType):  # int | str: k=auto
-                value = int(raw) if raw.lstrip("-").isdigit() else raw
+            if typing.get_origin(typ) in (typing.Union, types.UnionType):  # k=auto, ...=plan
+                value = _number_or_word(raw, typing.get_args(typ))
             elif typ is bool:
                 if raw not in ("true", "false"):
                     raise ValueError
@@ -76,6 +76,17 @@ def _build_pass(cls: type[Pass], opts: str) -> Pass:
                                 f"{getattr(typ, '__name__', str(typ))}") from None
         values[names[key]] = value
     return cls(**values)
+
+
+def _number_or_word(raw: str, types_: tuple) -> object:
+    """An option typed `int | str` or `float | str`: the number where it reads as one."""
+    for typ in (int, float):
+        if typ in types_:
+            try:
+                return typ(raw)
+            except ValueError:
+                pass
+    return raw
 
 
 def pipeline_text(passes: list[Pass]) -> str:

@@ -14,6 +14,8 @@ Pure Python and numpy: no torch, no vLLM.
 
 from __future__ import annotations
 
+import math
+
 from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
@@ -343,7 +345,9 @@ def access_keep_blocks(access, prompt_tokens: int, block_size: int, forced: int)
     than the `forced` ones (the attention sink)."""
     tail = (prompt_tokens - 1) // block_size
     tail_tokens = prompt_tokens - tail * block_size
-    keep = int((access.budget * prompt_tokens - tail_tokens) // block_size)
+    # a budget is written to six digits: one matched to a plan's own s (access-budget=plan) must
+    # still buy that plan's last block
+    keep = math.floor((access.budget * prompt_tokens - tail_tokens) / block_size + 0.05)
     return max(forced, min(keep, tail))
 
 

@@ -89,13 +89,18 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
     created: str
     samples: tuple[StepSample, ...] = ()
     fits: dict[str, StepFit] = {}
-    acceptance: dict[str, AcceptanceFit] = {}  # by acceptance rule: "greedy", "top3", ...
+    acceptance: dict[str, AcceptanceFit] = {}  # by acceptance_key: "greedy", "top3+dynamic", ...
     note: str = ""
 
     @property
     def key(self) -> str:
         return profile_key(self.engine, self.model_fingerprint, self.dtype, self.device,
                            self.threads)
+
+    def acceptance_fit(self, rule: str, mode: str = "static") -> AcceptanceFit | None:
+        """The acceptance model for plans verified by `rule` whose drafts read pages by access
+        `mode`, or None where this profile measured none."""
+        return self.acceptance.get(acceptance_key(rule, mode))
 
     def seconds(self, kind: str, batch: int, visible: float, query: int = 1) -> float:
         """The fitted time of one step of `kind` whose `batch` rows each have `query` tokens over
@@ -110,6 +115,14 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
             raise ProfileError(f"profile {self.key} has no {kind!r} step model; recalibrate")
         # plain Python: the runtime asks this many times per engine step
         return float(sum(c * values[f] for f, c in zip(fit.features, fit.coef)))
+
+
+def acceptance_key(rule: str, mode: str = "static") -> str:
+    """Where a profile keeps the acceptance model of `rule` under access `mode`: the rule alone
+    for a plan's own pages, `rule+dynamic` for pages the draft's query chooses. Hybrid views
+    share dynamic's model: at matched budgets their acceptance was measured within 0.04 of it
+    (docs/access.md)."""
+    return rule if mode == "static" else f"{rule}+dynamic"
 
 
 def feature_values(batch: float, query: float, visible: float) -> dict[str, float]:

@@ -183,6 +183,8 @@ def decode_plan(data: bytes | memoryview, source: str = "<kapb>") -> Plan:
         header = _header_decoder.decode(buf[_PREFIX.size:_PREFIX.size + head_len])
     except msgspec.DecodeError as exc:
         raise KapbError(f"{source}: unreadable header: {exc}") from None
+    if version == 1:  # version 1 had no access policy: its plans read their own pages
+        header = msgspec.structs.replace(header, access=AccessPolicy())
     arrays = {}
     floor = _PREFIX.size + head_len  # arrays follow the header and never overlap one another
     for ref in header.arrays:

@@ -15,7 +15,8 @@ PASSES: dict[str, type[Pass]] = {p.name: p for p in (Ground, AlignSpans, Select,
 # passages beyond 16, within half the prompt (max_retained). Over 500 HotpotQA questions (graph frontend) that
 # keeps gold recall at 0.92 / 0.91 / 0.91 while s falls 0.37 / 0.21 / 0.12 at 2K / 4K / 8K
 # (docs/passes.md); a fixed budget ratio would keep s flat as the context grows.
-DEFAULT_SELECT = "select{budget-ratio=0.5,keep-top=5,keep-growth=1}"
+DEFAULT_SELECT_OPTIONS = {"budget-ratio": 0.5, "keep-top": 5, "keep-growth": 1}
+DEFAULT_SELECT = "select{%s}" % ",".join(f"{k}={v}" for k, v in DEFAULT_SELECT_OPTIONS.items())
 DEFAULT_PIPELINE = f"ground,align-spans,{DEFAULT_SELECT},resolve-pages,compact"
 
-__all__ = ["PASSES", "DEFAULT_PIPELINE", "CompileContext", "Pass", "PassError"]
+__all__ = ["PASSES", "DEFAULT_PIPELINE", "DEFAULT_SELECT_OPTIONS", "CompileContext", "Pass", "PassError"]

@@ -28,8 +28,8 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from kapc.profile import (Profile, StepSample, fit_acceptance, fit_steps, now, profile_key,
-                          profiles_dir, save_profile)
+from kapc.profile import (Profile, StepSample, acceptance_key, fit_acceptance, fit_steps, now,
+                          profile_key, profiles_dir, save_profile)
 
 CALIBRATION_QUESTIONS = 1000  # first HotpotQA dev index of the calibration split
 
@@ -45,6 +45,7 @@ class Grid:
     budgets: tuple[float, ...] = (0.05, 0.1, 0.2, 0.35)
     acceptance_tokens: int = 128  # as the decode benchmarks run (EOS ignored)
     rules: tuple[str, ...] = ("greedy", "top3")
+    access_modes: tuple[str, ...] = ("static", "dynamic")  # dynamic: at each plan's own s
 
     def points(self) -> list[tuple]:
         """Every measurement, grouped so that each engine starts once: plain steps on the
@@ -217,6 +218,17 @@ def acceptance_points(results: list[dict], k: int) -> list[tuple[float, int, flo
     return pts
 
 
+def access_of(mode: str, plans) -> list | None:
+    """Each calibration plan's access policy under `mode`: None (its own pages) for static, else
+    query-chosen pages at the plan's own retained ratio, so both modes' points share their s."""
+    if mode == "static":
+        return None
+    from kapc.lower.kapb import decode_plan
+    from kapc.policy import AccessPolicy
+
+    return [AccessPolicy(mode=mode, budget=decode_plan(p).header.retained_ratio) for p in plans]
+
+
 def build_acceptance_cases(grid: Grid, context: int, block_size: int,
                            k: int) -> list[tuple[list[int], list[bytes]]]:
     """Prompt ids and plan bytes (one per budget) for the calibration split at `context` tokens.
@@ -232,7 +244,8 @@ def build_acceptance_cases(grid: Grid, context: int, block_size: int,
         prior = hotpotqa_prior(i, context_tokens=context)
         plans = [compile_to_kapb(prior, f"ground,align-spans,select{{budget-ratio={b}}},"
                                  f"resolve-pages{{block-size={block_size}}},"
-                                 f"compact{{k={k},profile=none}}", ctx) for b in grid.budgets]
+                                 f"compact{{k={k},profile=none,access=static}}", ctx)
+                 for b in grid.budgets]
         ids = [int(t) for t in decode_plan(plans[0]).prompt_token_ids]
         cases.append((ids, plans))
     return cases
@@ -337,16 +350,20 @@ class ReferenceBench:
 
         k = 4
         ex = self._executor()
-        pts: dict[str, list] = {rule: [] for rule in grid.rules}
+        pts: dict[str, list] = {}
         for ids, plans in build_acceptance_cases(grid, context, self.block_size, k):
-            for rule in grid.rules:
-                res, _ = ex.generate([Request(ids, plan=decode_plan(p), accept=rule,
-                                              max_tokens=grid.acceptance_tokens, ignore_eos=True)
-                                      for p in plans])
-                pts[rule] += acceptance_points(
+            for mode in grid.access_modes:
+                access = access_of(mode, plans) or [None] * len(plans)
+                for rule in grid.rules:
+                    res, _ = ex.generate([Request(ids, plan=decode_plan(p), accept=rule,
+                                                  access=a, max_tokens=grid.acceptance_tokens,
+                                                  ignore_eos=True)
+                                          for p, a in zip(plans, access)])
+                    pts.setdefault(acceptance_key(rule, mode), []).extend(acceptance_points(
                     [{"proposed": r.proposed, "retained_ratio": r.retained_ratio,
-                      "prompt_tokens": r.prompt_tokens, "accepted_per_pos": r.accepted_per_pos}
-                     for r in res], k)
+                          "prompt_tokens": r.prompt_tokens,
+                          "accepted_per_pos": r.accepted_per_pos}
+                         for r in res], k))
         return pts
 
     def close(self) -> None:

@@ -28,10 +28,15 @@ def compile_with(ctx, compact: str):
     return m, decode_plan(lower_module(m, ctx))
 
 
-def test_default_plans_read_the_plans_pages(ctx):
+def test_default_plans_are_hybrid_at_their_own_retained_ratio(ctx):
     m, plan = compile_with(ctx, "compact")
-    assert m.access.mode == "static"
-    assert plan.header.access.mode == "static"
+    assert m.access.mode == plan.header.access.mode == "hybrid"
+    assert m.access.budget == pytest.approx(m.pages.retained, abs=1e-6)
+    assert plan.header.access.budget == m.access.budget
+    static, plan = compile_with(ctx, "compact{access=static}")
+    assert static.access.mode == plan.header.access.mode == "static"
+    with pytest.raises(PassError, match="access-budget must be a ratio or plan, not 'most'"):
+        parse_pipeline(BASE + "compact{access=dynamic,access-budget=most}")
 
 
 @pytest.mark.parametrize("options,mode,proxy", [

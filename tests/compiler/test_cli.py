@@ -25,7 +25,8 @@ def test_compile_inspect_json(tmp_path):
     info = json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).output)
     module = parse_file(kap)
     assert info["format_version"] == 2
-    assert info["access"]["mode"] == module.access.mode == "static"
+    assert info["access"]["mode"] == module.access.mode == "hybrid"
+    assert info["access"]["budget"] == module.access.budget
     assert info["prompt_tokens"] == module.prompt.tokens
     assert info["block_size"] == module.pages.block_size == 16
     assert len(info["selected_blocks"]) == sum(len(r) for r in module.pages.selected)

@@ -199,3 +199,39 @@ def test_access_view_reads_the_sink_the_plans_best_share_and_the_tail():
     assert hyb.quota == (hyb.keep - 1) // 2  # the plan's 8 pages exceed half of what is left
     with pytest.raises(PolicyError, match="budget"):
         access_view(AccessPolicy(mode="hybrid", budget=0.0), plan, 1000, 16)
+
+
+def test_compact_predicts_query_aware_plans_from_their_own_acceptance_model(ctx, tmp_path):
+    from kapc.compiler import compile_module
+    from kapc.profile import acceptance_key
+    from tests.conftest import example_priors
+
+    # static pages accept p = 0.5 whatever s; query-chosen ones p = 0.5 at s = 0.1, rising with s
+    prof = known_profile(ctx.assets.fingerprint)
+    dyn = AcceptanceFit(a=math.log(9) - 2.0 * math.log(0.3), b=2.0)  # p(0.3) = 0.9, p(0.1) ~ 0.5
+    prof = msgspec.structs.replace(prof, acceptance={
+        "greedy": AcceptanceFit(a=0.0, b=0.0), acceptance_key("greedy", "dynamic"): dyn})
+    assert acceptance_key("greedy", "hybrid") == acceptance_key("greedy", "dynamic") != "greedy"
+    path = save_profile(prof, tmp_path / "p.json")
+    prior = example_priors()[0]
+    head = "ground,align-spans,select{budget-ratio=0.2},resolve-pages,"
+
+    def cost(opts: str):
+        return compile_module(prior, head + f"compact{{k=4,profile={path}{opts}}}", ctx).module
+
+    static = cost(",access=static")
+    assert static.cost.p == pytest.approx(0.5)
+    hybrid = cost(",access=hybrid,access-budget=0.3")
+    assert hybrid.cost.p == pytest.approx(0.9, abs=1e-6)  # the dynamic model at the budget
+    assert hybrid.access.budget == pytest.approx(0.3)
+    assert hybrid.cost.speedup > static.cost.speedup
+    # budget "plan": the view reads as much as the plan's own pages
+    matched = cost(",access=dynamic,access-budget=plan")
+    assert matched.access.budget == pytest.approx(matched.pages.retained, abs=1e-6)
+    assert matched.cost.p == pytest.approx(dyn.p(matched.pages.retained, matched.prompt.tokens))
+    # no query-aware model in the profile: the plan's pages' model stands in
+    only_static = save_profile(msgspec.structs.replace(
+        prof, acceptance={"greedy": AcceptanceFit(a=0.0, b=0.0)}), tmp_path / "s.json")
+    m = compile_module(prior, head + f"compact{{k=4,profile={only_static},access=hybrid}}",
+                       ctx).module
+    assert m.cost.p == pytest.approx(0.5)

@@ -249,7 +249,7 @@ def generate(engine: KapEngine, prompts_token_ids, plans=None, max_tokens: int =
     finish_reason, status ("plan", "refused", "fallback", "none"), reason, proposed, accepted,
     acceptance_rate, retained_ratio (executed), plan_retained_ratio, tokens_per_cycle, plus the
     batch's wall time under "batch_s". `accept` overrides every plan's acceptance rule, `access`
-    (a kapc.policy.AccessPolicy) every plan's access policy;
+    (a kapc.policy.AccessPolicy, or a list of them, one per prompt) the plans' access policy;
     `honor_predicted_loss` may be given per prompt (False: the plan drafts whenever it can)."""
     prompts = [[int(t) for t in p] for p in prompts_token_ids]
     if plans is None:
@@ -260,13 +260,16 @@ def generate(engine: KapEngine, prompts_token_ids, plans=None, max_tokens: int =
              if isinstance(honor_predicted_loss, bool) else list(honor_predicted_loss))
     if len(honor) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(honor)} honor_predicted_loss flags")
+    accesses = access if isinstance(access, list) else [access] * len(prompts)
+    if len(accesses) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(accesses)} access policies")
     run = uuid.uuid4().hex[:8]
     tags = [f"{run}-{i}" for i in range(len(prompts))]
     sps = [sampling_params(max_tokens, plan=pl if engine.hook else None, tag=t,
                            honor_predicted_loss=hon, k=k,
                            min_acceptance=min_acceptance, ignore_eos=ignore_eos, accept=accept,
-                           access=access)
-           for pl, t, hon in zip(plans, tags, honor)]
+                           access=acc)
+           for pl, t, hon, acc in zip(plans, tags, honor, accesses)]
     engine.stats(pop=True)
     t0 = time.perf_counter()
     outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)

@@ -8,8 +8,10 @@ from __future__ import annotations
 import os
 import time
 
-from kapc.runtime.calibrate import (CycleTimes, Grid, acceptance_points, build_acceptance_cases,
-                                    cycle_times, median_step, timing_prompts)
+from kapc.profile import acceptance_key
+from kapc.runtime.calibrate import (CycleTimes, Grid, acceptance_points, access_of,
+                                    build_acceptance_cases, cycle_times, median_step,
+                                    timing_prompts)
 
 K_MAX = 7  # the hook engine is started with k = 7: verification of up to q = 8 tokens
 
@@ -140,11 +142,14 @@ class VllmBench:
                                                      self.block_size, k).result()
                                       for L in grid.acceptance_contexts}
         eng = self._engine("kapc")
-        pts: dict[str, list] = {rule: [] for rule in grid.rules}
+        pts: dict[str, list] = {}
         for ids, plans in self._accept_cases[context]:
-            for rule in grid.rules:
-                res = generate(eng, [ids] * len(plans), plans, max_tokens=grid.acceptance_tokens,
-                               ignore_eos=True, honor_predicted_loss=False, min_acceptance=False,
-                               k=k, accept=rule)
-                pts[rule] += acceptance_points(res, k)
+            for mode in grid.access_modes:
+                for rule in grid.rules:
+                    res = generate(eng, [ids] * len(plans), plans,
+                                   max_tokens=grid.acceptance_tokens, ignore_eos=True,
+                                   honor_predicted_loss=False, min_acceptance=False, k=k,
+                                   accept=rule, access=access_of(mode, plans))
+                    pts.setdefault(acceptance_key(rule, mode), []).extend(
+                        acceptance_points(res, k))
         return pts
