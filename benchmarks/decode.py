@@ -23,7 +23,8 @@ Plans (--plans):
   gold      oracle plans that keep the gold passages' blocks, the instruction (with the
             attention sink), the question and the tail (runtime/prompts.py's prompts).
 
-Access policies (--access, docs/access.md): `static` runs the plans' own pages; `MODE:PROXY`
+Access policies (--access, docs/access.md): `plan` runs each plan's own policy (the default
+pipeline's: hybrid at the plan's s), `static` only the plans' own pages; `MODE:PROXY`
 (mode dynamic or hybrid, proxy query, es-in, es-mid or es-mix) chooses pages per layer from the
 draft's query within --access-budget of the prompt (`plan`: each plan's own s, matched budgets),
 against the same full-context run. --accept greedy,top3 runs every policy under each rule. es-mix
@@ -73,10 +74,11 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--access", default="static",
-                    help="comma list of access policies: static, or MODE:PROXY (dynamic/hybrid, "
+    ap.add_argument("--access", default="plan",
+                    help="comma list of access policies: plan (the plan's own), static, or "
+                    "MODE:PROXY (dynamic/hybrid, "
                     "query/es-in/es-mid/es-mix)")
-    ap.add_argument("--access-budget", type=access_budget, default=0.15,
+    ap.add_argument("--access-budget", type=access_budget, default="plan",
                     help="the retained ratio dynamic and hybrid views read, or 'plan' for each "
                     "plan's own s")
     ap.add_argument("--mix", default=None, help="ES-Mix calibration for es-mix policies")
@@ -119,7 +121,8 @@ def main(argv=None) -> int:
                 plans = [make_plan(B, budget) for _, make_plan in cs]
                 for rule in args.accept:
                     for label, access in policies:
-                        ex.measure_overlap = args.overlap and access is not None
+                        ex.measure_overlap = args.overlap and access is not None and \
+                            access.mode != "static"
                         plan_res, pst = ex.generate([
                             Request(ids, plan=pl, max_tokens=args.new_tokens, ignore_eos=True,
                                     accept=rule, access=_matched(access, pl, args.access_budget))
@@ -156,7 +159,7 @@ def main(argv=None) -> int:
 
 def _matched(access, plan, budget):
     """The policy for one request: with --access-budget plan, at its plan's own retained ratio."""
-    if access is None or budget != "plan":
+    if access is None or access.mode == "static" or budget != "plan":
         return access
     import msgspec
 
@@ -174,8 +177,8 @@ def _policies(args, m) -> list:
         mix = load_mix(args.mix).mix
     out = []
     for spec in (x.strip() for x in args.access.split(",") if x.strip()):
-        if spec == "static":
-            out.append((spec, None))
+        if spec in ("plan", "static"):  # the plan's own policy, or its pages only
+            out.append((spec, None if spec == "plan" else AccessPolicy()))
             continue
         mode, _, proxy = spec.partition(":")
         access = AccessPolicy(mode=mode, budget=0.5 if args.access_budget == "plan"

@@ -14,13 +14,13 @@ engine warms its own cache), so the timed run measures decoding: output tokens /
 of one `LLM.generate` call with `ignore_eos`. Rows:
 
 - `full`: plain vLLM, no speculative decoding (the baseline; ratio 1);
-- `kapc`: kapc's proposer with the compiled plans (honouring no fallback, so the plan runs);
+- `kapc`: kapc's proposer with the default pipeline's plans (hybrid pages at the plan's s;
+  honouring no fallback, so the plan runs);
 - `kapc-top3`: the same plans with top-3 tolerant acceptance (not lossless: `same` is expected
   to be False; every emitted token is within the full context's top 3);
-- `kapc-dynamic`, `kapc-hybrid`: the same plans, greedy, under a query-aware access policy
-  (`--access-budget` of the prompt, or each plan's own s with `--access-budget plan`, chosen per
-  layer from the draft's query; hybrid keeps the plan's pages among them; docs/access.md);
-- `kapc-dynamic-top3`, `kapc-hybrid-top3`: the same with top-3 tolerant acceptance;
+- `kapc-static`, `kapc-static-top3`: plans that read only their own pages;
+- `kapc-dynamic`, `kapc-dynamic-top3`: plans whose drafts read only the pages their query
+  chooses, per layer (docs/access.md);
 - `ngram`: vLLM's ngram (prompt lookup) speculative decoding, same k.
 
 Printed per row: output tokens/s (with `--repeat N`, every engine is started N times, alternating,
@@ -50,13 +50,14 @@ def _log(*a):
 
 def pipeline_for(block_size: int = 32, budget_ratio: float = 0.2, k: int = 4,
                  batch: int = 1, accept: str = "greedy", select: str = "",
-                 access: str = "static", access_budget: float | str = 0.15) -> str:
+                 access: str | None = None, access_budget: float | str = "plan") -> str:
     """`select` adds select options, e.g. "keep-top=5,keep-growth=1" (evidence-driven: the
-    budget ratio becomes a ceiling); `access` dynamic or hybrid reads `access_budget` of the
-    prompt (or "plan": the plan's own s)."""
+    budget ratio becomes a ceiling); `access` static, dynamic or hybrid (None: compact's
+    default), where query-aware reads `access_budget` of the prompt (or "plan": the plan's own
+    s)."""
     extra = f",{select}" if select else ""
-    pages = f",access={access}" + ("" if access == "static" else
-                                   f",access-budget={access_budget}")
+    pages = "" if access is None else f",access={access}" + (
+        "" if access == "static" else f",access-budget={access_budget}")
     return (f"ground,align-spans,select{{budget-ratio={budget_ratio}{extra}}},"
             f"resolve-pages{{block-size={block_size}}},"
             f"compact{{k={k},batch={batch},accept={accept}{pages}}}")
@@ -64,7 +65,7 @@ def pipeline_for(block_size: int = 32, budget_ratio: float = 0.2, k: int = 4,
 
 def compile_prior(prior, block_size: int = 32, budget_ratio: float = 0.2, k: int | str = 4,
                   batch: int = 1, ctx=None, accept: str = "greedy", select: str = "",
-                  access: str = "static", access_budget: float | str = 0.15) -> bytes:
+                  access: str | None = None, access_budget: float | str = "plan") -> bytes:
     """A prior (or its JSON file) -> .kapb bytes, compiled for this block size."""
     from kapc.compiler import compile_to_kapb
 
@@ -113,8 +114,8 @@ def fit_context(target: int, new_tokens: int, k: int, block_size: int) -> int:
 
 
 def build_cases(contexts, n, block_size, k, budget_ratio, batches, frontend, first: int = 0,
-                variants=(("greedy", "static"),), new_tokens: int = 0, auto: bool = False,
-                select: str = "", access_budget: float | str = 0.15):
+                variants=(("greedy", None),), new_tokens: int = 0, auto: bool = False,
+                select: str = "", access_budget: float | str = "plan"):
     """{context: [(ids, {(batch, rule, access mode): plan bytes}), ...n]} for HotpotQA dev
     questions first..first+n-1, one plan per batch size and (rule, mode) of `variants`; prompts
     are built to `fit_context` of each context. With `auto`, plans are compiled with k=auto
@@ -164,18 +165,19 @@ def start_engine(method, cases, batches, args):
     return eng
 
 
-ENGINE_OF = {"full": "none", "kapc": "kapc", "kapc-top3": "kapc", "kapc-dynamic": "kapc",
-             "kapc-dynamic-top3": "kapc", "kapc-hybrid": "kapc", "kapc-hybrid-top3": "kapc",
+ENGINE_OF = {"full": "none", "kapc": "kapc", "kapc-top3": "kapc", "kapc-static": "kapc",
+             "kapc-static-top3": "kapc", "kapc-dynamic": "kapc", "kapc-dynamic-top3": "kapc",
              "ngram": "ngram"}
 
 
-def variant_of(method: str) -> tuple[str, str]:
-    """The (acceptance rule, access mode) a kapc method's plans are compiled with."""
+def variant_of(method: str) -> tuple[str, str | None]:
+    """The (acceptance rule, access mode) a kapc method's plans are compiled with (None: the
+    compiler's default)."""
     rule = "top3" if method.endswith("-top3") else "greedy"
-    for mode in ("dynamic", "hybrid"):
+    for mode in ("static", "dynamic"):
         if method.startswith(f"kapc-{mode}"):
             return rule, mode
-    return rule, "static"
+    return rule, None
 
 
 def run_rows(eng, label, cases, batches, args, with_plans: bool):
@@ -250,9 +252,9 @@ def main(argv=None):
                     help="select's budget (with the default --select, a ceiling)")
     ap.add_argument("--select", default=select,
                     help="more select options (default: the default pipeline's)")
-    ap.add_argument("--access-budget", type=access_budget, default=0.15,
-                    help="kapc-dynamic / kapc-hybrid: the retained ratio the view reads, or "
-                    "'plan' for each plan's own s (matched budgets)")
+    ap.add_argument("--access-budget", type=access_budget, default="plan",
+                    help="query-aware plans: the retained ratio the view reads, or 'plan' for "
+                    "each plan's own s (matched budgets; the compiler's default)")
     ap.add_argument("--frontend", default="graph")
     ap.add_argument("--kv-cache-gib", type=int, default=8)
     ap.add_argument("--baseline", choices=("plain", "shared"), default="plain")
@@ -297,8 +299,8 @@ def main(argv=None):
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
         cases = pool.submit(build_cases, contexts, max(batches), args.block_size, args.k,
                             args.budget_ratio, batches, args.frontend,
-                            variants=sorted({variant_of(m) for m in methods
-                                             if m.startswith("kapc")}),
+                            variants=list(dict.fromkeys(variant_of(m) for m in methods
+                                                        if m.startswith("kapc"))),
                             new_tokens=args.max_tokens, auto=args.auto, select=args.select,
                             access_budget=args.access_budget).result()
     rows = []
