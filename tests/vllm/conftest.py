@@ -43,9 +43,11 @@ def cases(ctx):
 
 @pytest.fixture(scope="session")
 def other_block_plans(ctx):
-    """The second prompt's plan compiled for block sizes 16 and 64 (the engine runs 32)."""
+    """The second prompt's plan compiled for block sizes 16 and 64 (the engine runs 32), reading
+    its own pages (static), so that what the engine shows follows from the plan's blocks."""
     from kapc.lower.kapb import decode_plan
-    return {bs: decode_plan(compile_prior(PRIORS[1], block_size=bs, k=K, ctx=ctx))
+    return {bs: decode_plan(compile_prior(PRIORS[1], block_size=bs, k=K, ctx=ctx,
+                                          access="static"))
             for bs in (16, 64)}
 
 

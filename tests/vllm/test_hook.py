@@ -352,10 +352,12 @@ def test_query_aware_access_is_lossless_in_vllm(engine, cases, baseline):
             assert "runs as each layer's own query" in res[0]["note"]
         layers = engine.llm.llm_engine.model_config.hf_config.num_hidden_layers
         assert timing["select_choices"] > 0 and timing["select_choices"] % layers == 0
-    # a static request beside dynamic ones keeps its plan's view
+    # the plans are hybrid by default; told to read only its own pages, a request does so
+    assert cases[0].plan.header.access.mode == "hybrid"
     mixed = generate(engine, [cases[0].ids], [cases[0].plan], max_tokens=n,
-                     honor_predicted_loss=False, min_acceptance=False)
+                     honor_predicted_loss=False, min_acceptance=False, access=AccessPolicy())
     assert mixed[0]["access"] == "static" and mixed[0]["tokens"] == baseline[0][:n]
+    assert mixed[0]["retained_ratio"] == pytest.approx(mixed[0]["plan_retained_ratio"], abs=1e-6)
 
 
 def test_a_bad_access_option_is_refused_with_the_reason(engine, cases, baseline):
