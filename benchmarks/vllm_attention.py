@@ -1,0 +1,106 @@
+"""vLLM-CPU's paged attention kernel alone, for one query token per row (a decode step) and for
+q tokens per row (a verification step), beside the model's linear work for as many tokens: where
+a verification step's time goes.
+
+    python -m benchmarks.vllm_attention                       # SmolLM2 shapes, 8 rows of 7936 tokens
+    python -m benchmarks.vllm_attention --batch 4 --context 4096 --queries 1,2,5
+
+Times are for every layer of the model (one engine step's worth), the best of --repeat runs, on
+random K/V and queries (attention's cost does not depend on the values). The kernel and its
+scheduler are called as vLLM's CPU attention backend calls them (vllm.v1.attention.backends.
+cpu_attn); the linear work is plain torch matmuls of the model's shapes. Nothing else may run
+while it times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def _best(fn, repeat: int) -> float:
+    fn()  # warm up: first calls allocate scratch space
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.vllm_attention",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=7936)
+    ap.add_argument("--queries", default="1,2,3,5,8", help="query tokens per row to time")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--split-kv", action=argparse.BooleanOptionalAction, default=True,
+                    help="the scheduler's KV split for one-token rows (VLLM_CPU_ATTN_SPLIT_KV)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+
+    import torch
+    from vllm import _custom_ops as ops
+
+    from kapc.models import ensure_default_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = json.loads((ensure_default_model() / "config.json").read_text())
+    H, KVH = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D = cfg["hidden_size"] // H
+    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    layers, B, L, bs = cfg["num_hidden_layers"], args.batch, args.context, args.block_size
+    per_row = -(-L // bs)
+    # the backend's cache layout: [blocks, kv heads, 2 * block size, head dim], keys then values
+    kv = torch.randn(B * per_row, KVH, 2 * bs, D)
+    keys, values = kv.chunk(2, dim=2)
+    table = torch.arange(B * per_row, dtype=torch.int32).view(B, per_row)
+    weights = [torch.randn(hidden, (H + 2 * KVH) * D), torch.randn(H * D, hidden),
+               torch.randn(hidden, 2 * inter), torch.randn(inter, hidden)]
+    head = torch.randn(hidden, vocab)
+    print(f"{cfg.get('_name_or_path', 'model')}: {layers} layers, {H} query / {KVH} KV heads of "
+          f"{D}; batch {B} x {L} context tokens, block {bs}, split-KV {args.split_kv}, "
+          f"{torch.get_num_threads()} threads")
+    print(f"{'q':>3} {'attention ms':>13} {'vs q=1':>7} {'linear ms':>10}")
+    base = None
+    for q in (int(x) for x in args.queries.split(",")):
+        starts = torch.arange(0, B + 1, dtype=torch.int32) * q
+        lens = torch.full((B,), L, dtype=torch.int32)
+        query = torch.randn(B * q, H, D)
+        out = torch.empty_like(query)
+        meta = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=B, num_heads=H, num_kv_heads=KVH, head_dim=D, seq_lens=lens,
+            dtype=torch.float32, query_start_loc=starts, causal=True, sliding_window_size=-1,
+            isa="vec", enable_kv_split=args.split_kv)
+
+        def attention():
+            for _ in range(layers):
+                ops.cpu_attention_with_kv_cache(
+                    query=query, key_cache=keys, value_cache=values, output=out,
+                    query_start_loc=starts, seq_lens=lens, scale=D ** -0.5, causal=True,
+                    alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
+                    scheduler_metadata=meta, s_aux=None)
+
+        x, attn_out, mlp_mid = (torch.randn(B * q, n) for n in (hidden, H * D, inter))
+
+        def linear():  # qkv, output, gate+up and down projections per layer, then the LM head
+            for _ in range(layers):
+                x @ weights[0]
+                attn_out @ weights[1]
+                x @ weights[2]
+                mlp_mid @ weights[3]
+            x @ head
+
+        a = _best(attention, args.repeat) * 1000
+        base = base or a
+        print(f"{q:>3} {a:>13.1f} {a / base:>6.2f}x {_best(linear, args.repeat) * 1000:>10.1f}",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
