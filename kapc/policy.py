@@ -15,7 +15,6 @@ Pure Python and numpy: no torch, no vLLM.
 from __future__ import annotations
 
 import math
-
 from collections import deque
 from dataclasses import dataclass
 from typing import Sequence

@@ -14,9 +14,9 @@ profile of the target engine (`profile=auto` finds the one `kapc calibrate` wrot
 the profile's acceptance model for this s (for a dynamic or hybrid access policy, its model of
 query-chosen pages at the access budget, which is what the drafts read); without one, the
 paper's memory-bound model with `expect-acceptance` as the per-draft acceptance p. `k=auto` takes
-the k with the best predicted speedup. With a profile, the runtime's acceptance floor (`fallback.min_acceptance`) is raised to
-the break-even acceptance, so a request whose drafts are rejected too often to pay stops
-drafting.
+the k with the best predicted speedup. With a profile, the runtime's acceptance floor
+(`fallback.min_acceptance`) is raised to the break-even acceptance, so a request whose drafts are
+rejected too often to pay stops drafting.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class Compact(Pass):
     on_predicted_loss: bool = True
     profile: str = "auto"  # auto, none, or the path of a profile file
     # static, dynamic or hybrid (kapc.policy.AccessPolicy). Hybrid by default: at the plan's
-    # own s it accepted 0.92 against static's 0.69 at 8K x 8, and as much or more at 2K and 4K
+    # own s it accepted 0.91 against static's 0.69 at 8K x 8, and as much or more at 2K and 4K
     # but for one row (docs/access.md)
     access: str = "hybrid"
     # dynamic and hybrid: the retained ratio of the prompt the view reads, or "plan" for the

@@ -49,6 +49,11 @@ def test_tiny_calibration_gives_a_well_formed_profile(tmp_path):
     assert kinds.count("plain") == 4 and kinds.count("verify") == 8
     fit = profile.acceptance["greedy"]
     assert len(fit.points) == len(TINY.budgets) and 0.0 < fit.p(0.3) < 1.0
+    # query-chosen pages are measured too, at the same plans' own s, under their own key
+    dyn = profile.acceptance_fit("greedy", "hybrid")
+    assert dyn is profile.acceptance["greedy+dynamic"] and 0.0 < dyn.p(0.3) < 1.0
+    assert [pt[1] for pt in dyn.points] == [pt[1] for pt in fit.points]
+    assert [pt[0] for pt in dyn.points] == pytest.approx([pt[0] for pt in fit.points], abs=0.02)
     assert profile.key == profile_key("reference", profile.model_fingerprint, profile.dtype,
                                       profile.device, profile.threads)
     assert not (profiles_dir() / f"{profile.key}.partial.jsonl").exists()  # done: no partial
