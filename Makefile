@@ -25,10 +25,12 @@ demo: $(STAMP)
 
 # tests/vllm runs in a pytest process of its own: vLLM 0.32's Triton kernel dispatcher scans every
 # loaded module and trips over llvmlite's FFI wrappers once the frontend's libraries have loaded
-# them, so an in-process engine cannot start after the frontend tests (docs/vllm.md).
+# them, so an in-process engine cannot start after the frontend tests (docs/vllm.md). tests/serve
+# starts a real `kapc serve` process and talks to it over HTTP.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --ignore=tests/vllm $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --ignore=tests/vllm --ignore=tests/serve $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -q tests/vllm $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q tests/serve $(PYTEST_ARGS)
 
 # Coverage-guided fuzzing of every input boundary (tests/fuzz/README.md), FUZZ_RUNS inputs each.
 FUZZ_RUNS ?= 100000

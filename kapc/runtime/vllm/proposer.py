@@ -20,27 +20,39 @@ rewrites P .. P+k before anything reads them. The scheduler subclass in
 request's allocated blocks; a row whose next draft position would fall outside them stops
 drafting there (it never writes through stale block-table entries).
 
+A request may instead carry its frontend's prior (`extra_args["kapc_prior"]`), which the proposer
+compiles at admission against the engine's model and block size (kapc.runtime.vllm.admission).
+
 Requests without a plan, or whose plan does not match (other prompt, block size or model), get
-no proposals; the reason is recorded and reported through `KapWorkerExtension.kapc_stats`.
+no proposals; the reason is recorded and reported through `KapWorkerExtension.kapc_stats` (and,
+behind `kapc serve`, the server's `/kapc/stats`). Each finished request is logged with its
+figures under its tag.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from kapc.runtime.vllm import compat
+from kapc.runtime.vllm.admission import PRIOR_KEY, PlanCompiler
 from kapc.runtime.vllm.compat import UnsupportedAttention
+
+# under vLLM's logger, so the lines reach the server's log with its format and level
+log = logging.getLogger("vllm.kapc")
 
 PLAN_KEY = "kapc_plan"  # SamplingParams.extra_args key holding the .kapb bytes
 TAG_KEY = "kapc_tag"  # a caller-chosen name the per-request statistics are filed under
 OPTS_KEY = "kapc_opts"  # {"honor_predicted_loss": bool, "k": int, "min_acceptance": bool,
-#                          "accept": "greedy" | "topN"}
+#                          "accept": "greedy" | "topN", "access": {...}}, or that object as JSON
+KEPT_FINISHED = 10_000  # finished requests' statistics kept for `kapc_stats`, oldest dropped
 
 
 def attention_problems(hf_config) -> list[str]:
@@ -102,6 +114,9 @@ class _ReqState:
     access: object = None  # a dynamic or hybrid kapc.policy.AccessPolicy (None: static view)
     view: object = None  # kapc.policy.AccessView: the blocks a dynamic or hybrid view reads
     static_visible: int = 0  # prompt tokens the plan's own (static) view shows
+    source: str | None = None  # where the plan came from: "kapb", "prior" (compiled here)
+    compile_s: float | None = None  # seconds this request waited for its prior's plan
+    compile_cached: bool = False  # the prior's plan came from the cache
     serial: int = field(default_factory=lambda: next(_serials))  # unique for the process
     bounds: tuple | None = None  # (key min, key max, pool blocks) of the full prompt blocks
 
@@ -120,6 +135,8 @@ class _ReqState:
             "accepted_per_pos": list(self.per_pos), "held": self.held,
             "speedup_predicted": self.speedup_predicted,
             "access": self.access.mode if self.access is not None else "static",
+            "source": self.source, "compile_s": self.compile_s,
+            "compile_cached": self.compile_cached,
         }
 
 
@@ -140,7 +157,10 @@ class KapProposer:
         self._fingerprint: str | None | bool = False  # False: not computed yet; None: failed
         self._fingerprint_error = ""
         self.states: dict[str, _ReqState] = {}  # by vLLM request id
-        self.finished: dict[str, dict] = {}  # by tag, for requests no longer in the batch
+        # by tag, for requests no longer in the batch; bounded, so a long-running server keeps
+        # the newest KEPT_FINISHED
+        self.finished: OrderedDict[str, dict] = OrderedDict()
+        self._compiler: PlanCompiler | None = None  # priors compiled at admission
         # forecast_s / plain_forecast_s: the profile's view of the steps that ran (step policy)
         # select_s / select_choices: query-aware page choice (dynamic and hybrid access)
         self.timing = {"propose_s": 0.0, "draft_forwards": 0, "draft_rows": 0, "calls": 0,
@@ -196,8 +216,8 @@ class KapProposer:
                 logits[li, d] = top.to(logits.dtype)
 
     def _get_runner(self):
-        if self._runner is None:
-            self._runner = compat.find_runner(self, depth=3)
+        if self._runner is None:  # a server never calls kapc_bind: bind on the first proposal
+            self.bind(compat.find_runner(self, depth=3))
         return self._runner
 
     def _setup(self, runner) -> None:
@@ -273,17 +293,49 @@ class KapProposer:
         st = _ReqState(tag=tag, status="none", prompt_tokens=len(req.prompt_token_ids or ()))
         data = extra.get(PLAN_KEY)
         if data is not None:
+            st.source = "kapb"
             if isinstance(data, str):  # base64, e.g. from the OpenAI server's `vllm_xargs`
                 import base64
 
                 try:
                     data = base64.b64decode(data, validate=True)
                 except ValueError:
-                    data = b""
-            opts = extra.get(OPTS_KEY) or {}
-            self._admit(st, req, bytes(data), dict(opts) if isinstance(opts, dict) else {})
+                    st.status, st.reason = "refused", (f"plan refused: {PLAN_KEY} text is not "
+                                                       f"base64 (of a .kapb)")
+                    data = None
+        elif extra.get(PRIOR_KEY) is not None:
+            st.source = "prior"
+            data = self._compile_prior(st, extra[PRIOR_KEY])
+        if data is not None:
+            opts = request_options(extra.get(OPTS_KEY))
+            if isinstance(opts, str):
+                st.status, st.reason = "refused", opts
+            else:
+                self._admit(st, req, bytes(data), opts)
         self.states[req_id] = st
         return st
+
+    def _compile_prior(self, st: _ReqState, prior) -> bytes | None:
+        """The plan of a request's prior, compiled for this engine (or None, the request refused
+        with the reason). Compilation runs in the engine's step: the figure is reported."""
+        from kapc.errors import KapcError
+
+        if self._compiler is None:
+            engine = "vllm-cpu" if self._runner.device.type == "cpu" else "vllm-gpu"
+            self._compiler = PlanCompiler(str(self.vllm_config.model_config.model),
+                                          self.block_size, engine)
+        try:
+            compiled = self._compiler.compile(prior)
+        except KapcError as exc:
+            st.status, st.reason = "refused", f"prior refused: {exc}"
+            return None
+        except Exception as exc:  # noqa: BLE001 - one request's prior must not stop the engine
+            log.exception("kapc: compiling the prior of request %s failed", st.tag)
+            st.status, st.reason = "refused", (f"prior refused: the compiler failed on it "
+                                               f"({type(exc).__name__}: {exc})")
+            return None
+        st.compile_s, st.compile_cached = compiled.seconds, compiled.cached
+        return compiled.data
 
     def _admit(self, st: _ReqState, req, data: bytes, opts: dict) -> None:
         from kapc.errors import KapcError
@@ -367,13 +419,24 @@ class KapProposer:
         live = compat.live_request_ids(runner)
         for rid in [r for r in self.states if r not in live]:
             st = self.states.pop(rid)
-            self.finished[st.tag] = st.as_dict()
+            done = st.as_dict()
+            self.finished[st.tag] = done
+            self.finished.move_to_end(st.tag)
+            while len(self.finished) > KEPT_FINISHED:
+                self.finished.popitem(last=False)
+            if st.source is not None:
+                log.info(finished_line(done))
 
-    def stats(self, pop: bool = False) -> dict:
+    def stats(self, pop: bool = False, tag: str | None = None) -> dict:
+        """Per-request statistics by tag (only `tag`'s when given), the proposer's timing, the
+        step policy in force and `live`: the requests the proposer holds state for (those in the
+        engine's batch)."""
         out = dict(self.finished)
         for st in self.states.values():
             out[st.tag] = st.as_dict()
-        res = {"requests": out, "timing": dict(self.timing),
+        if tag is not None:
+            out = {tag: out[tag]} if tag in out else {}
+        res = {"requests": out, "timing": dict(self.timing), "live": len(self.states),
                "policy": f"step policy, profile {self._profile.key}" if self._profile is not None
                else "each plan's own rules"}
         if pop:
@@ -609,3 +672,36 @@ def sampling_is_random(sp) -> bool:
         return False
     t = getattr(sp, "temperature", 0.0)
     return t is not None and t > 1e-5
+
+
+def request_options(value) -> dict | str:
+    """A request's `kapc_opts`: an object, or (through the OpenAI server's `vllm_xargs`, which
+    carry strings) its JSON text. Returns the options, or the reason they are refused."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            return f"{OPTS_KEY} is not JSON: {exc}"
+    if not isinstance(value, dict):
+        return f"{OPTS_KEY} must be an object, not {type(value).__name__}"
+    return dict(value)
+
+
+def finished_line(stats: dict) -> str:
+    """One log line of a finished request's figures, filed under its tag."""
+    parts = [f"kapc request {stats['tag']}: {stats['status']}"]
+    if stats.get("source"):
+        parts.append(f"plan from {stats['source']}")
+    if stats.get("compile_s") is not None:
+        parts.append("compile cached" if stats.get("compile_cached")
+                     else f"compile {stats['compile_s']:.3f}s")
+    if stats.get("retained_ratio") is not None:
+        parts.append(f"s {stats['retained_ratio']:.3f}")
+    if stats.get("k"):
+        parts.append(f"k {stats['k']} {stats.get('accept')}")
+    parts.append(f"proposed {stats['proposed']} accepted {stats['accepted']}")
+    if stats.get("reason"):
+        parts.append(f"reason: {stats['reason']}")
+    return ", ".join(parts)

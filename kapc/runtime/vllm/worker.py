@@ -27,12 +27,13 @@ class KapWorkerExtension:
         """Choose the step policy's profile ("auto", "none" or a path); returns its key."""
         return self._kapc_proposer().use_profile(source)
 
-    def kapc_stats(self, pop: bool = False) -> dict:
-        """Per-request proposal statistics (by tag) and proposer timing."""
+    def kapc_stats(self, pop: bool = False, tag: str | None = None) -> dict:
+        """Per-request proposal statistics (by tag; only `tag`'s when given) and proposer
+        timing."""
         p = self._kapc_proposer()
         if p._runner is not None:
             p._prune(p._runner)
-        return p.stats(pop=pop)
+        return p.stats(pop=pop, tag=tag)
 
     def kapc_step_log(self, pop: bool = True) -> list[tuple]:
         """Per engine step: (entered, left, rows, drafting rows, draft forwards) of the proposer's

