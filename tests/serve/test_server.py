@@ -178,3 +178,20 @@ def test_the_server_logs_each_planned_request(server):
     while f"kapc request {tag}:" not in server.log_text() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert f"kapc request {tag}:" in server.log_text()
+
+
+def test_tolerant_acceptance_runs_in_the_server(server, reference):
+    """top-3 is installed in the server's own rejection sampler (the worker binds the proposer
+    on its first proposal: nothing calls kapc_bind there). On this prompt greedy verification
+    rejects drafts that top-3 accepts."""
+    greedy, tolerant = _tag("greedy"), _tag("top3")
+    x = {"kapc_opts": json.dumps({"honor_predicted_loss": False})}
+    assert server.chat("q0-4k", 32, {**plan_xargs(prior=PRIORS["q0-4k"], tag=greedy), **x}) \
+        == reference("q0-4k", 32)
+    server.chat("q0-4k", 32, {**plan_xargs(prior=PRIORS["q0-4k"], tag=tolerant),
+                              "kapc_opts": json.dumps({"honor_predicted_loss": False,
+                                                       "accept": "top3"})})
+    g, t = request_stats(server.root, greedy), request_stats(server.root, tolerant)
+    assert g["accept"] == "greedy" and t["accept"] == "top3"
+    assert g["acceptance_rate"] < 1.0, "this prompt no longer tells the rules apart"
+    assert t["acceptance_rate"] > g["acceptance_rate"]
