@@ -86,7 +86,8 @@ def test_schema_prior_is_json_schema():
     assert prior.get("additionalProperties") is False
 
 
-@pytest.mark.parametrize("cmd", [[], ["compile"], ["explain"], ["inspect"], ["fmt"], ["schema", "prior"]])
+@pytest.mark.parametrize("cmd", [[], ["compile"], ["explain"], ["inspect"], ["fmt"], ["schema", "prior"],
+                                 ["serve"]])
 def test_help_everywhere(cmd):
     r = runner.invoke(app, [*cmd, "--help"])
     assert r.exit_code == 0 and "Usage" in r.output
@@ -103,6 +104,16 @@ def test_python_dash_m_and_no_torch_in_the_compiler(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "HEAVY []" in proc.stdout
     assert read_plan(out).header.prompt_tokens > 0
+
+
+def test_a_client_needs_no_engine():
+    """kapc.client runs wherever a client does: no torch, transformers or vLLM behind it."""
+    code = ("import sys, kapc.client\n"
+            "print('HEAVY', sorted(m for m in ('torch', 'vllm', 'transformers', 'openai') "
+            "if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY []" in proc.stdout
 
 
 def test_dump_dir_writes_every_stage_as_parseable_kap(tmp_path, monkeypatch):

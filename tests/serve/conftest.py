@@ -5,9 +5,7 @@ of 600 to 4K tokens; and each prompt's output from the same server without a pla
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,7 +24,6 @@ PRIORS = {
     "q0-4k": ROOT / "examples" / "hotpotqa" / "q0000-4k.prior.json",
 }
 START_TIMEOUT_S = 300  # measured: about 60 s on a 2-core machine
-STOP_TIMEOUT_S = 60
 
 
 def _free_port() -> int:
@@ -36,7 +33,7 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, proc: subprocess.Popen, url: str, log: Path):
+    def __init__(self, proc, url: str, log: Path):
         self.proc, self.url, self.log = proc, url, log
         self.root = url.removesuffix("/v1")
         from openai import OpenAI
@@ -57,29 +54,19 @@ class Server:
 
 
 def start_server(log: Path, *options: str, env: dict | None = None):
-    """A `kapc serve` process on a free port with `options`, once it answers /health; stopped
-    (terminate, then kill) when the generator resumes."""
-    from kapc.runtime.vllm.serve import ServeError, wait_healthy
+    """A `kapc serve` process (its command line, as users run it) on a free port with
+    `options`, once it answers /health; stopped when the generator resumes."""
+    from kapc.runtime.vllm.serve import ServeError, running
 
     port = _free_port()
     argv = [sys.executable, "-m", "kapc", "serve", "--port", str(port), "--max-model-len", "4608",
             *options]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}/v1"
     try:
-        wait_healthy(url, proc, timeout=START_TIMEOUT_S)
-    except ServeError as exc:
-        proc.kill()
-        pytest.fail(f"{exc}\n--- server log ---\n{log.read_text(errors='replace')[-6000:]}")
-    yield Server(proc, url, log)
-    proc.terminate()
-    try:
-        proc.wait(timeout=STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        with running(argv, url, log, timeout=START_TIMEOUT_S, env=env) as proc:
+            yield Server(proc, url, log)
+    except ServeError as exc:  # only the start can raise it here
+        pytest.fail(str(exc))
 
 
 @pytest.fixture(scope="module")  # stopped before the next module starts its own: one at a time

@@ -56,3 +56,21 @@ def test_the_command_line_reports_a_bad_option_in_one_line():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert "multiple of 32" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_documented_server_command_is_the_one_kapc_serve_runs():
+    """docs/serving.md gives the raw vLLM command for starting the server by hand: every option
+    it sets must be what `kapc serve` sets, so the two cannot drift apart."""
+    import shlex
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    block = doc.split("```sh\npython -m ", 1)[1].split("```", 1)[0]
+    words = shlex.split("python -m " + block.replace("\\\n", " "))
+    cmd = server_command()
+    assert words[2] == cmd.argv[2]  # the module
+    for i, word in enumerate(words[3:], start=3):
+        if word.startswith("--") and word not in ("--model", "--enforce-eager"):
+            assert word in cmd.argv, f"{word} is documented but kapc serve does not set it"
+            assert _opt(cmd.argv, word) == words[i + 1], word
+    assert "--enforce-eager" in words and "--enforce-eager" in cmd.argv

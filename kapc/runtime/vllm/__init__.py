@@ -11,7 +11,10 @@ The hook is three classes vLLM loads by name (see docs/vllm.md):
 - `kapc.runtime.vllm.worker.KapWorkerExtension`: binds the proposer to the model runner and
   reports per-request statistics through `collective_rpc`.
 
-Plans travel with each request in `SamplingParams.extra_args["kapc_plan"]` (the `.kapb` bytes).
+Plans travel with each request in `SamplingParams.extra_args["kapc_plan"]` (the `.kapb` bytes), or
+as the frontend's prior in `extra_args["kapc_prior"]`, compiled by the worker at admission
+(`kapc.runtime.vllm.admission`). `kapc serve` (`kapc.runtime.vllm.serve`) runs all of this behind
+vLLM's OpenAI-compatible server (docs/serving.md).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ extension, and one route of kapc's own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -142,6 +143,30 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float 
         if deadline is not None and time.monotonic() > deadline:
             raise ServeError(f"the server at {url} did not answer /health within {timeout:.0f} s")
         time.sleep(interval)
+
+
+@contextlib.contextmanager
+def running(argv: list[str], url: str, log: Path, timeout: float = 300.0, env: dict | None = None):
+    """A server process started from `argv` (its output to `log`), once it answers /health at
+    `url`; terminated (then killed) on exit. Raises ServeError, with the log's tail, when it
+    does not come up within `timeout` seconds."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
+    try:
+        try:
+            wait_healthy(url, proc, timeout=timeout)
+        except ServeError as exc:
+            tail = Path(log).read_text(errors="replace")[-6000:]
+            raise ServeError(f"{exc}\n--- server log ---\n{tail}") from None
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def usage(cmd: ServerCommand) -> str:
