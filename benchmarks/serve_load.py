@@ -5,8 +5,9 @@ Requests are real HotpotQA prompts (the frontend's priors at each context length
 messages, greedy, streamed; kapc's requests carry their prior (compiled by the server at
 admission). For each server and each concurrency level (requests in flight) it reports output
 throughput, end-to-end latency and time-to-first-token percentiles, the share of requests that
-ran a plan, and whether every output equals plain vLLM's. Run it on a quiet machine: the two
-servers are timed one after the other.
+ran a plan, and whether every output equals plain vLLM's. Without `--warm` the first level also
+pays each prompt's first prefill (the prefix cache starts cold on both servers). Run it on a quiet
+machine: the two servers are timed one after the other.
 
     python -m benchmarks.serve_load --requests 200 --concurrency 8,32
 """
@@ -145,6 +146,9 @@ def main(argv=None) -> int:
     ap.add_argument("--first", type=int, default=0, help="first HotpotQA dev question")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--warm", action="store_true",
+                    help="prefill every distinct prompt once (one token, no plan) before timing, "
+                         "so the levels measure decoding under load rather than first prefills")
     ap.add_argument("--json", type=Path, help="write the summary rows here")
     args = ap.parse_args(argv)
 
@@ -163,6 +167,10 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         with running(cmd.argv, cmd.url, logs / f"{name}.log"):
             _log(f"[{name}] up in {time.perf_counter() - t0:.0f}s (log {logs / f'{name}.log'})")
+            if args.warm:
+                t0 = time.perf_counter()
+                run_phase(cmd.url, pool, 8, 1, False, f"{name}-warm")
+                _log(f"[{name}] {len(pool)} prompts prefilled in {time.perf_counter() - t0:.0f}s")
             for c in args.concurrency:
                 label = f"{name}-c{c}"
                 results, wall = run_phase(cmd.url, jobs, c, args.max_tokens, hook, label)
