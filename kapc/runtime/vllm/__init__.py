@@ -30,7 +30,8 @@ from kapc.errors import KapcError
 __all__ = [
     "SUPPORTED_VLLM", "TESTED_VLLM", "VLLMUnsupported", "KapEngine", "check_vllm_version",
     "check_model_supported", "make_engine", "generate", "sampling_params", "run_plan_file_vllm",
-    "run_plan_vllm", "engine_block_size", "PROPOSER_CLASS", "SCHEDULER_CLASS", "WORKER_EXTENSION_CLASS",
+    "run_plan_vllm", "engine_block_size", "engine_kind", "default_dtype", "PROPOSER_CLASS",
+    "SCHEDULER_CLASS", "WORKER_EXTENSION_CLASS",
 ]
 
 SUPPORTED_VLLM = ("0.22", "0.34")  # [lowest, first unsupported)
@@ -167,7 +168,7 @@ def make_engine(model_dir=None, block_size: int = 32, k: int = 4, hook: bool = T
 
     on_cpu = not torch.cuda.is_available()
     if dtype is None:
-        dtype = "float32" if on_cpu else "auto"
+        dtype = default_dtype(on_cpu)
     kwargs = dict(model=model_dir, dtype=dtype, block_size=block_size, seed=seed,
                   max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching)
     if on_cpu:
@@ -373,7 +374,7 @@ def run_plan_vllm(plan, accept: str | None = None, k: int | None = None, max_tok
     mode = "plan" if res["status"] == "plan" or res["proposed"] else "full"
     out = {
         "plan": h.name, "source": source, "engine": "vllm", "model": engine.model_dir,
-        "device": "cpu" if _on_cpu() else "cuda", "dtype": "float32" if _on_cpu() else "auto",
+        "device": "cpu" if _on_cpu() else "cuda", "dtype": default_dtype(),
         "prompt_tokens": len(ids), "text": res["text"], "tokens": res["tokens"],
         "generated_tokens": res["generated_tokens"],
         "finish_reason": "eos" if res["finish_reason"] == "stop" else res["finish_reason"],
@@ -416,6 +417,17 @@ def engine_block_size(plan_block_size: int, on_cpu: bool | None = None) -> int:
     if not on_cpu:
         return plan_block_size
     return -(-plan_block_size // CPU_BLOCK_MULTIPLE) * CPU_BLOCK_MULTIPLE
+
+
+def engine_kind(on_cpu: bool | None = None) -> str:
+    """The engine a plan is compiled and calibrated for here: "vllm-cpu" or "vllm-gpu"
+    (kapc.policy.ENGINE_BLOCK_SIZE, kapc.profile)."""
+    return "vllm-cpu" if (_on_cpu() if on_cpu is None else on_cpu) else "vllm-gpu"
+
+
+def default_dtype(on_cpu: bool | None = None) -> str:
+    """fp32 on a CPU (the CPU kernels' tested path), vLLM's choice on a GPU."""
+    return "float32" if (_on_cpu() if on_cpu is None else on_cpu) else "auto"
 
 
 def _on_cpu() -> bool:

@@ -26,10 +26,10 @@ class VllmBench:
         import vllm
 
         from kapc.models import ensure_default_model, load_assets
-        from kapc.runtime.vllm import check_vllm_version, engine_block_size
+        from kapc.runtime.vllm import check_vllm_version, engine_block_size, engine_kind
 
         check_vllm_version()
-        self.engine = "vllm-cpu" if not torch.cuda.is_available() else "vllm-gpu"
+        self.engine = engine_kind()
         self.engine_version = vllm.__version__
         self.model_dir = model_dir or ensure_default_model(weights=True)
         assets = load_assets(str(self.model_dir))
