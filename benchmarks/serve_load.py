@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import tempfile
 import time
@@ -130,12 +129,6 @@ def summarize(server: str, concurrency: int, results: list[dict], wall: float,
     return row
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=200, help="requests per concurrency level")
@@ -152,7 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write the summary rows here")
     args = ap.parse_args(argv)
 
-    from kapc.runtime.vllm.serve import running, server_command
+    from kapc.runtime.vllm.serve import free_port, running, server_command
 
     _log(f"building {len(args.contexts) * args.questions} priors")
     pool = build_priors(args.contexts, args.questions, args.first, args.max_tokens)
@@ -161,7 +154,7 @@ def main(argv=None) -> int:
     rows, reference = [], {}
     logs = Path(tempfile.mkdtemp(prefix="kapc-serve-load-"))
     for name, hook in (("vllm", False), ("kapc", True)):
-        port = _free_port()
+        port = free_port()
         cmd = server_command(port=port, hook=hook, max_model_len=max(max_len, 4608),
                              extra=["--max-num-seqs", str(args.max_num_seqs)])
         t0 = time.perf_counter()

@@ -12,6 +12,7 @@ import typer
 
 from kapc import settings
 from kapc.errors import KapcError
+from kapc.policy import MAX_AUTO_K
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Compile retrieval priors into runtime KV access plans, and run them.")
@@ -242,7 +243,7 @@ def serve(
     model: Annotated[Optional[str], typer.Option(help="Model folder (default: the cached SmolLM2-135M-Instruct).")] = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
-    k: Annotated[int, typer.Option("--k", help="Most tokens a plan proposes per cycle (plans choose theirs up to it).")] = 8,  # kapc.policy.MAX_AUTO_K
+    k: Annotated[int, typer.Option("--k", help="Most tokens a plan proposes per cycle (plans choose theirs up to it).")] = MAX_AUTO_K,
     block_size: Annotated[Optional[int], typer.Option(help="KV block size (default: 32 on CPU, 16 on a GPU).")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="Longest prompt plus output (default: the model's).")] = None,
     kv_cache_gib: Annotated[Optional[float], typer.Option(help="KV cache size on a CPU (default: 4).")] = None,

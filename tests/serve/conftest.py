@@ -5,8 +5,9 @@ of 600 to 4K tokens; and each prompt's output from the same server without a pla
 
 from __future__ import annotations
 
-import socket
+import json
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -23,13 +24,8 @@ PRIORS = {
     "q7": ROOT / "tests" / "vllm" / "data" / "hotpotqa-0007-1k.prior.json",
     "q0-4k": ROOT / "examples" / "hotpotqa" / "q0000-4k.prior.json",
 }
+FORCE = json.dumps({"honor_predicted_loss": False})  # kapc_opts: draft whatever the cost model says
 START_TIMEOUT_S = 300  # measured: about 60 s on a 2-core machine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -56,9 +52,9 @@ class Server:
 def start_server(log: Path, *options: str, env: dict | None = None):
     """A `kapc serve` process (its command line, as users run it) on a free port with
     `options`, once it answers /health; stopped when the generator resumes."""
-    from kapc.runtime.vllm.serve import ServeError, running
+    from kapc.runtime.vllm.serve import ServeError, free_port, running
 
-    port = _free_port()
+    port = free_port()
     argv = [sys.executable, "-m", "kapc", "serve", "--port", str(port), "--max-model-len", "4608",
             *options]
     url = f"http://127.0.0.1:{port}/v1"
@@ -67,6 +63,9 @@ def start_server(log: Path, *options: str, env: dict | None = None):
             yield Server(proc, url, log)
     except ServeError as exc:  # only the start can raise it here
         pytest.fail(str(exc))
+    # `kapc serve`, terminated, stops vLLM's server with it: nothing answers any more
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=5)
 
 
 @pytest.fixture(scope="module")  # stopped before the next module starts its own: one at a time

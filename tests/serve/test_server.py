@@ -18,9 +18,8 @@ from itertools import zip_longest
 import pytest
 
 from kapc.client import plan_xargs, request_stats, server_stats
-from tests.serve.conftest import PRIORS
+from tests.serve.conftest import FORCE, PRIORS
 
-FORCE = json.dumps({"honor_predicted_loss": False})  # draft whatever the cost model says
 
 
 def _tag(name: str) -> str:
@@ -185,8 +184,8 @@ def test_tolerant_acceptance_runs_in_the_server(server, reference):
     on its first proposal: nothing calls kapc_bind there). On this prompt greedy verification
     rejects drafts that top-3 accepts."""
     greedy, tolerant = _tag("greedy"), _tag("top3")
-    x = {"kapc_opts": json.dumps({"honor_predicted_loss": False})}
-    assert server.chat("q0-4k", 32, {**plan_xargs(prior=PRIORS["q0-4k"], tag=greedy), **x}) \
+    assert server.chat("q0-4k", 32, {**plan_xargs(prior=PRIORS["q0-4k"], tag=greedy),
+                                     "kapc_opts": FORCE}) \
         == reference("q0-4k", 32)
     server.chat("q0-4k", 32, {**plan_xargs(prior=PRIORS["q0-4k"], tag=tolerant),
                               "kapc_opts": json.dumps({"honor_predicted_loss": False,

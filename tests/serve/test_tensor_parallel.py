@@ -5,14 +5,10 @@ them is 3; on a one-NUMA-node machine vLLM needs the ranks' threads bound by han
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from kapc.client import plan_xargs, request_stats, server_stats
-from tests.serve.conftest import PRIORS, start_server
-
-FORCE = json.dumps({"honor_predicted_loss": False})
+from tests.serve.conftest import FORCE, PRIORS, start_server
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -60,7 +61,8 @@ def server_command(model: str | None = None, *, host: str = "127.0.0.1", port: i
     whenever slightly less is free, which on a small machine is most of the time."""
     from kapc.policy import CPU_BLOCK_MULTIPLE, ENGINE_BLOCK_SIZE
     from kapc.runtime.vllm import (PROPOSER_CLASS, SCHEDULER_CLASS, WORKER_EXTENSION_CLASS,
-                                   VLLMUnsupported, check_model_supported, check_vllm_version)
+                                   VLLMUnsupported, check_model_supported, check_vllm_version,
+                                   default_dtype, engine_kind)
     from kapc.runtime.vllm.compat import api_server_module
 
     try:
@@ -79,9 +81,10 @@ def server_command(model: str | None = None, *, host: str = "127.0.0.1", port: i
             check_model_supported(model_dir)
         except VLLMUnsupported as exc:
             raise ServeError(str(exc)) from None
-    on_cpu = not _has_cuda()
+    kind = engine_kind()
+    on_cpu = kind == "vllm-cpu"
     if block_size is None:
-        block_size = ENGINE_BLOCK_SIZE["vllm-cpu" if on_cpu else "vllm-gpu"]
+        block_size = ENGINE_BLOCK_SIZE[kind]
     if on_cpu and block_size % CPU_BLOCK_MULTIPLE:
         raise ServeError(f"--block-size {block_size}: vLLM's CPU attention needs a multiple of "
                          f"{CPU_BLOCK_MULTIPLE}. Plans compiled for smaller blocks still run "
@@ -92,7 +95,7 @@ def server_command(model: str | None = None, *, host: str = "127.0.0.1", port: i
     name = served_model_name or model_dir.name
     argv = [sys.executable, "-m", api_server_module(), "--model", str(model_dir),
             "--served-model-name", name, "--host", host, "--port", str(port),
-            "--block-size", str(block_size), "--dtype", dtype or ("float32" if on_cpu else "auto")]
+            "--block-size", str(block_size), "--dtype", dtype or default_dtype()]
     if on_cpu:
         argv.append("--enforce-eager")
         sized = any(a.startswith("--kv-cache-memory-bytes") for a in extra) \
@@ -118,12 +121,6 @@ def _url_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "") else host
 
 
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float | None = None,
                  interval: float = 1.0) -> None:
     """Block until the server at `url` (its /v1 root) answers /health. Raises ServeError when
@@ -146,27 +143,41 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float 
 
 
 @contextlib.contextmanager
-def running(argv: list[str], url: str, log: Path, timeout: float = 300.0, env: dict | None = None):
-    """A server process started from `argv` (its output to `log`), once it answers /health at
-    `url`; terminated (then killed) on exit. Raises ServeError, with the log's tail, when it
-    does not come up within `timeout` seconds."""
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})})
+def running(argv: list[str], url: str, log: Path | None = None, timeout: float | None = 300.0,
+            env: dict | None = None):
+    """A server process started from `argv` (its output to `log`, or to this process's), once it
+    answers /health at `url`; terminated (then killed) on exit. Raises ServeError, with the log's
+    tail, when it exits first or does not come up within `timeout` seconds (None: no limit)."""
+    env = {**os.environ, **(env or {})}
+    if log is None:
+        proc = subprocess.Popen(argv, env=env)
+    else:
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         try:
             wait_healthy(url, proc, timeout=timeout)
         except ServeError as exc:
+            if log is None:
+                raise
             tail = Path(log).read_text(errors="replace")[-6000:]
             raise ServeError(f"{exc}\n--- server log ---\n{tail}") from None
         yield proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (for tests and benchmarks that start servers)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def usage(cmd: ServerCommand) -> str:
@@ -190,32 +201,20 @@ def usage(cmd: ServerCommand) -> str:
 
 
 def serve(cmd: ServerCommand, echo=print) -> int:
-    """Run the server in the foreground until it exits or this process is interrupted (the
-    signal is passed on); prints how to call it once it answers. Returns its exit status."""
-    proc = subprocess.Popen(cmd.argv)
-
-    def forward(signum, _frame):
-        if proc.poll() is None:
-            proc.send_signal(signum)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    """Run the server in the foreground until it exits or this process is interrupted or
+    terminated (the server is then stopped too); prints how to call it once it answers. Returns
+    its exit status."""
+    # SIGTERM unwinds like Ctrl-C, so `running` stops the server rather than orphaning it
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        try:
-            wait_healthy(cmd.url, proc)
-        except ServeError as exc:
-            echo(f"kapc serve: {exc}")
-            return proc.wait() or 1
-        echo(usage(cmd))
-        return proc.wait()
+        with running(cmd.argv, cmd.url, timeout=None) as proc:
+            echo(usage(cmd))
+            return proc.wait()
+    except ServeError as exc:
+        echo(f"kapc serve: {exc}")
+        return 1
     finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        signal.signal(signal.SIGTERM, previous)
 
 
 # ---- inside the server -----------------------------------------------------------------------
