@@ -15,7 +15,7 @@ from kapc.errors import KapcError
 from kapc.lower.kapb import decode_plan
 from kapc.prior import load_prior
 from kapc.runtime.vllm.admission import PlanCompiler, prior_text
-from kapc.runtime.vllm.proposer import finished_line, request_options
+from kapc.runtime.vllm.proposer import finished_line, remember, request_options
 from tests.conftest import EXAMPLES
 
 PRIOR_700 = EXAMPLES / "hotpotqa" / "q0000-700.prior.json"
@@ -120,3 +120,14 @@ def test_a_finished_request_is_logged_under_its_tag():
     refused = finished_line({"tag": "q2", "status": "refused", "source": "kapb",
                              "proposed": 0, "accepted": 0, "reason": "plan refused: truncated"})
     assert refused.endswith("reason: plan refused: truncated")
+
+
+def test_a_long_running_server_remembers_the_newest_requests_only():
+    from collections import OrderedDict
+
+    finished = OrderedDict()
+    for i in range(5):
+        remember(finished, f"r{i}", {"i": i}, keep=3)
+    assert list(finished) == ["r2", "r3", "r4"]
+    remember(finished, "r2", {"i": 9}, keep=3)  # a reused tag is the newest
+    assert list(finished) == ["r3", "r4", "r2"] and finished["r2"] == {"i": 9}

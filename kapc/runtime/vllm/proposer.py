@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kapc.runtime.vllm import compat
+from kapc.runtime.vllm import compat, engine_kind
 from kapc.runtime.vllm.admission import PRIOR_KEY, PlanCompiler
 from kapc.runtime.vllm.compat import UnsupportedAttention
 
@@ -241,8 +241,8 @@ class KapProposer:
         from kapc.profile import find_profile
 
         try:
-            kind = "vllm-cpu" if runner.device.type == "cpu" else "vllm-gpu"
-            return find_profile(kind, self._model_fingerprint())
+            return find_profile(engine_kind(runner.device.type == "cpu"),
+                                self._model_fingerprint())
         except KapcError:
             return None
 
@@ -321,9 +321,9 @@ class KapProposer:
         from kapc.errors import KapcError
 
         if self._compiler is None:
-            engine = "vllm-cpu" if self._runner.device.type == "cpu" else "vllm-gpu"
             self._compiler = PlanCompiler(str(self.vllm_config.model_config.model),
-                                          self.block_size, engine)
+                                          self.block_size,
+                                          engine_kind(self._runner.device.type == "cpu"))
         try:
             compiled = self._compiler.compile(prior)
         except KapcError as exc:
@@ -420,10 +420,7 @@ class KapProposer:
         for rid in [r for r in self.states if r not in live]:
             st = self.states.pop(rid)
             done = st.as_dict()
-            self.finished[st.tag] = done
-            self.finished.move_to_end(st.tag)
-            while len(self.finished) > KEPT_FINISHED:
-                self.finished.popitem(last=False)
+            remember(self.finished, st.tag, done)
             if st.source is not None:
                 log.info(finished_line(done))
 
@@ -672,6 +669,15 @@ def sampling_is_random(sp) -> bool:
         return False
     t = getattr(sp, "temperature", 0.0)
     return t is not None and t > 1e-5
+
+
+def remember(finished: OrderedDict, tag: str, stats: dict, keep: int = KEPT_FINISHED) -> None:
+    """File a finished request's statistics under its tag, newest last, keeping the newest
+    `keep`: a server runs for weeks."""
+    finished[tag] = stats
+    finished.move_to_end(tag)
+    while len(finished) > keep:
+        finished.popitem(last=False)
 
 
 def request_options(value) -> dict | str:
