@@ -4,6 +4,7 @@ so `kapc compile/explain/inspect/fmt` start fast and never import torch."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -372,6 +373,51 @@ def calibrate_proxy_cmd(
 
 
 @schema_app.command("prior")
+@app.command()
+def bench(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for priors, results.jsonl, report.md and the plots; a sweep there resumes.")],
+    questions: Annotated[int, typer.Option(help="Questions per dataset and length.")] = 8,
+    lengths: Annotated[str, typer.Option(help="Context lengths in tokens, comma-separated.")] = "1024,2048,4096,8192",
+    engine: Annotated[str, typer.Option(help="vllm or reference.")] = "vllm",
+    datasets: Annotated[str, typer.Option(help="hotpotqa, squad, or both comma-separated.")] = "hotpotqa",
+    workloads: Annotated[str, typer.Option(help="short, long, or both comma-separated.")] = "short,long",
+    methods: Annotated[str, typer.Option(help="Comma-separated, from full, kapc, kapc-top3, physical, random, window.")] = "full,kapc,kapc-top3,physical,random,window",
+    batch: Annotated[int, typer.Option(help="Requests decoded together.")] = 8,
+    k: Annotated[str, typer.Option(help="The plans' proposal length, or auto (a calibration profile chooses).")] = "6",
+    first: Annotated[int, typer.Option(help="First dev question.")] = 0,
+    short_tokens: Annotated[int, typer.Option(help="Output cap of the short workload.")] = 32,
+    long_tokens: Annotated[int, typer.Option(help="Output cap of the long workload (it decodes to EOS).")] = 160,
+    ttft_samples: Annotated[int, typer.Option(help="Questions per length timed cold for time to first token; 0: none.")] = 2,
+    baseline: Annotated[str, typer.Option(help="plain: full context and the prompt baselines on a plain engine; shared: on the hook's engine (one prefill less).")] = "plain",
+    as_planned: Annotated[bool, typer.Option(help="Honour the plans' fallback rules (default: every plan runs, so it is measured).")] = False,
+    report_only: Annotated[bool, typer.Option(help="Only write the tables and plots from the rows already in --out.")] = False,
+) -> None:
+    """Measure answer quality and decode speed of kapc's plans against full context and the prompt baselines."""
+    from kapc.bench import BenchConfig, run_sweep
+    from kapc.bench.report import write_report
+
+    def csv(text: str) -> tuple[str, ...]:
+        return tuple(x.strip() for x in text.split(",") if x.strip())
+
+    if report_only:
+        if not (out / "results.jsonl").exists():
+            raise KapcError(f"{out} holds no results.jsonl to report on")
+        typer.echo(f"kapc: report written to {write_report(out)}", err=True)
+        return
+    try:
+        lens = tuple(int(x) for x in csv(lengths))
+    except ValueError:
+        raise KapcError(f"--lengths is comma-separated integers, not {lengths!r}") from None
+    cfg = BenchConfig(out=out, questions=questions, first=first, lengths=lens,
+                      datasets=csv(datasets), workloads=csv(workloads), methods=csv(methods),
+                      engine=engine, baseline=baseline, batch=batch, k=k,
+                      short_tokens=short_tokens, long_tokens=long_tokens,
+                      ttft_samples=ttft_samples, as_planned=as_planned)
+    path = run_sweep(cfg)
+    typer.echo(path.read_text())
+    typer.echo(f"kapc: report written to {path}", err=True)
+
+
 def schema_prior() -> None:
     """The JSON Schema of prior.json."""
     from kapc.prior import prior_schema
@@ -380,6 +426,9 @@ def schema_prior() -> None:
 
 
 def main() -> None:
+    # A command's stdout is its result (a report, a plan, generated text), so the engine's log
+    # lines, which vLLM writes to stdout by default, go to stderr with kapc's own progress.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     try:
         # Outside standalone mode click returns (not raises) the code of a `typer.Exit`.
         code = app(standalone_mode=False)
