@@ -1,0 +1,81 @@
+"""The sweep's summary and tables on rows made by hand: throughput over distinct batches,
+speedup against full context at the same length, acceptance from the counts, and the tables'
+shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from kapc.bench import report
+
+
+def _row(method, index, length=2048, batch="b", tokens=10, secs=1.0, **kw):
+    r = {"dataset": "hotpotqa", "workload": "short", "length": length, "method": method,
+         "index": index, "prompt_tokens": length - 100, "generated": tokens // 2,
+         "batch_id": f"{method}-{length}-{batch}", "batch_tokens": tokens, "batch_decode_s": secs,
+         "em": 1.0 if index == 0 else 0.0, "f1": 0.5, "contains": 1.0, "similarity": 0.6,
+         "passed": index == 0}
+    r.update(kw)
+    return r
+
+
+@pytest.fixture
+def summary():
+    rows = [
+        # full: one batch of two requests, 20 tokens in 2 s -> 10 tok/s
+        _row("full", 0, tokens=20, secs=2.0), _row("full", 1, tokens=20, secs=2.0),
+        # greedy plans: two batches (5 tok/s and 15 tok/s) -> 40 tokens / 2 s = 20 tok/s
+        _row("kapc", 0, batch="1", tokens=10, secs=1.0, proposed=8, accepted=6, cycles=4, s=0.2,
+             pred_speedup=1.5, status="plan", identical=True, generated=9),
+        _row("kapc", 1, batch="2", tokens=30, secs=1.0, proposed=12, accepted=9, cycles=3,
+             s=0.4, pred_speedup=2.5, status="fallback", identical=False, generated=7),
+        _row("physical", 0, tokens=8, secs=0.5, prompt_tokens=300),
+    ]
+    ttft = [{"dataset": "hotpotqa", "length": 2048, "method": "full", "index": 0,
+             "engine_s": 3.0}, {"dataset": "hotpotqa", "length": 2048, "method": "full",
+                                "index": 1, "engine_s": 5.0}]
+    return report.summarize(rows, ttft)
+
+
+def test_summary_by_hand(summary):
+    by = {r["method"]: r for r in summary}
+    assert by["full"]["tok_s"] == pytest.approx(10.0)  # the shared batch counts once
+    assert by["kapc"]["tok_s"] == pytest.approx(20.0)
+    assert by["kapc"]["speedup"] == pytest.approx(2.0)
+    assert by["physical"]["speedup"] == pytest.approx(1.6)
+    assert by["kapc"]["h"] == pytest.approx(15 / 20)
+    assert by["kapc"]["s"] == pytest.approx(0.3)
+    assert by["kapc"]["margin"] == pytest.approx(0.45)
+    assert by["kapc"]["tokens_per_cycle"] == pytest.approx((8 + 6) / 7)
+    assert by["kapc"]["pred_speedup"] == pytest.approx(2.0)
+    assert by["kapc"]["plans_run"] == 1
+    assert by["kapc"]["identical"] == pytest.approx(0.5)
+    assert by["full"]["pass"] == pytest.approx(0.5) and by["full"]["em"] == pytest.approx(0.5)
+    assert by["full"]["ttft_s"] == pytest.approx(4.0)
+    assert "h" not in by["full"]
+
+
+def _table_rows(text):
+    lines = text.splitlines()
+    assert lines[1].startswith("|---:") and all(l.count("|") == lines[0].count("|")
+                                                for l in lines)
+    return [[c.strip() for c in l.strip("|").split("|")] for l in lines[2:]]
+
+
+def test_tables_have_the_papers_shape(summary):
+    eff = _table_rows(report.efficiency_table(summary, "hotpotqa", "short"))
+    assert eff == [["2048", "1948", "10.00", "20.00", "2.00x", "-", "-", "4.00", "-", "-", "-"]]
+    q = _table_rows(report.quality_table(summary, "hotpotqa", "short"))
+    assert [r[1] for r in q] == ["full context", "kapc greedy"]
+    assert q[0][3:] == ["50.0", "50.0", "100.0", "0.600", "50.0", "-"]
+    assert q[1][-1] == "50.0"
+    n, base = report.baselines_table(summary, "hotpotqa", "short")
+    assert n == 2048
+    assert [r[0] for r in _table_rows(base)] == ["full context", "kapc greedy", "physical concat"]
+    phase = _table_rows(report.phase_table(summary, "hotpotqa", "short"))
+    assert phase == [["2048", "kapc greedy", "0.300", "0.750", "0.450", "2.00", "2.00x",
+                      "2.00x", "1/2"]]
+    md = report.markdown(summary)
+    for title in ("Efficiency by length", "Quality by length",
+                  "Plans against the prompt baselines at 2048 tokens", "Phase boundary"):
+        assert f"### {title}" in md
