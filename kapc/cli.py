@@ -372,7 +372,6 @@ def calibrate_proxy_cmd(
     typer.echo(f"kapc: proxy calibration written to {save_mix(mix, output)}", err=True)
 
 
-@schema_app.command("prior")
 @app.command()
 def bench(
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder for priors, results.jsonl, report.md and the plots; a sweep there resumes.")],
@@ -418,6 +417,7 @@ def bench(
     typer.echo(f"kapc: report written to {path}", err=True)
 
 
+@schema_app.command("prior")
 def schema_prior() -> None:
     """The JSON Schema of prior.json."""
     from kapc.prior import prior_schema
