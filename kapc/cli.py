@@ -425,6 +425,16 @@ def schema_prior() -> None:
     typer.echo(json.dumps(prior_schema(), indent=1))
 
 
+def _usage_errors() -> tuple[type[Exception], ...]:
+    """The exception classes a usage error (missing argument, unknown option, bare command) comes
+    as. typer 0.29 and later vendor their own click, whose exceptions are not `click`'s, so both
+    are named: taking only `click`'s turned every usage error into an "internal error"."""
+    import click
+
+    vendored = [c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException"]
+    return (click.ClickException, *vendored)
+
+
 def main() -> None:
     # A command's stdout is its result (a report, a plan, generated text), so the engine's log
     # lines, which vLLM writes to stdout by default, go to stderr with kapc's own progress.
@@ -445,9 +455,7 @@ def main() -> None:
         _err("aborted")
         sys.exit(130)
     except Exception as exc:  # noqa: BLE001 - last resort: one paragraph, the traceback on request
-        import click
-
-        if isinstance(exc, click.ClickException):
+        if isinstance(exc, _usage_errors()):
             exc.show()
             sys.exit(exc.exit_code)
         if settings.debug():

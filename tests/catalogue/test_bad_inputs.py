@@ -420,3 +420,24 @@ def test_unwritable_outputs_are_refused_before_compiling(where, option, tmp_path
     refused(args, option, str(target))
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
     assert not (tmp_path / "ok.kapb").exists()  # nothing written when one output is bad
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["compile"], "Missing argument"),
+    (["compile", PRIOR, "--no-such-option"], "No such option: --no-such-option"),
+    (["bench"], "Missing option '--out'"),
+    (["no-such-command"], "No such command"),
+    (["compile", PRIOR, "--block-size", "many"], "Invalid value for '--block-size'"),
+])
+def test_usage_errors_are_usage_errors(args, expected):
+    code, out, err = kapc(*args)
+    assert code == 2, (code, out, err)
+    assert "internal error" not in err and "Traceback" not in err, err
+    assert expected in err, err
+
+
+@pytest.mark.parametrize("args", [[], ["schema"], ["prior"]])
+def test_a_bare_command_shows_its_help(args):
+    code, out, err = kapc(*args)
+    assert "internal error" not in err, err
+    assert "Usage" in out + err and "Commands" in out + err, (out, err)
