@@ -27,6 +27,21 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
+def complete_cases(rows: list[dict]) -> list[dict]:
+    """The rows of the cases (dataset, workload, length, question) that every method of their
+    (dataset, workload) decoded. Methods are compared on the same questions only: a sweep that
+    was interrupted, or is still running, has some methods ahead of others, and a mean over other
+    questions says nothing about a method."""
+    methods: dict[tuple, set] = defaultdict(set)
+    have: dict[tuple, set] = defaultdict(set)
+    for r in rows:
+        methods[(r["dataset"], r["workload"])].add(r["method"])
+        have[(r["dataset"], r["workload"], r["length"], r["index"])].add(r["method"])
+    return [r for r in rows
+            if have[(r["dataset"], r["workload"], r["length"], r["index"])]
+            == methods[(r["dataset"], r["workload"])]]
+
+
 def summarize(rows: list[dict], ttft: list[dict] = ()) -> list[dict]:
     """One record per (dataset, workload, length, method), sorted."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
@@ -274,7 +289,7 @@ def write_report(out: Path) -> Path:
     from kapc.bench.run import CONFIG, TTFT, read_rows_plain
 
     out = Path(out)
-    rows = scored_rows(out)
+    rows = complete_cases(scored_rows(out))
     summary = summarize(rows, read_rows_plain(out / TTFT))
     cfg = json.loads((out / CONFIG).read_text()) if (out / CONFIG).exists() else {}
     ident = cfg.get("identity", {})

@@ -79,3 +79,16 @@ def test_tables_have_the_papers_shape(summary):
     for title in ("Efficiency by length", "Quality by length",
                   "Plans against the prompt baselines at 2048 tokens", "Phase boundary"):
         assert f"### {title}" in md
+
+
+def test_methods_are_compared_on_the_same_questions():
+    rows = [_row("full", 0), _row("full", 1), _row("kapc", 0), _row("kapc", 1),
+            _row("physical", 0),  # question 1 has no physical row yet: the sweep is still on it
+            _row("full", 0, length=4096), _row("kapc", 0, length=4096),
+            _row("physical", 0, length=4096), _row("full", 2, length=4096)]
+    kept = report.complete_cases(rows)
+    assert sorted((r["length"], r["index"], r["method"]) for r in kept) == [
+        (2048, 0, "full"), (2048, 0, "kapc"), (2048, 0, "physical"),
+        (4096, 0, "full"), (4096, 0, "kapc"), (4096, 0, "physical")]
+    other = [dict(r, workload="long") for r in rows if r["method"] != "physical"]
+    assert len(report.complete_cases(other)) == 6  # long answers ran without physical: all kept
