@@ -389,6 +389,7 @@ def bench(
     ttft_samples: Annotated[int, typer.Option(help="Questions per length timed cold for time to first token; 0: none.")] = 2,
     baseline: Annotated[str, typer.Option(help="plain: full context and the prompt baselines on a plain engine; shared: on the hook's engine (one prefill less).")] = "plain",
     as_planned: Annotated[bool, typer.Option(help="Honour the plans' fallback rules (default: every plan runs, so it is measured).")] = False,
+    round_questions: Annotated[int, typer.Option("--round", help="Questions every method decodes before the next round starts (the report is written after each).")] = 32,
     report_only: Annotated[bool, typer.Option(help="Only write the tables and plots from the rows already in --out.")] = False,
 ) -> None:
     """Measure answer quality and decode speed of kapc's plans against full context and the prompt baselines."""
@@ -411,7 +412,8 @@ def bench(
                       datasets=csv(datasets), workloads=csv(workloads), methods=csv(methods),
                       engine=engine, baseline=baseline, batch=batch, k=k,
                       short_tokens=short_tokens, long_tokens=long_tokens,
-                      ttft_samples=ttft_samples, as_planned=as_planned)
+                      ttft_samples=ttft_samples, as_planned=as_planned,
+                      round_questions=round_questions)
     path = run_sweep(cfg)
     typer.echo(path.read_text())
     typer.echo(f"kapc: report written to {path}", err=True)

@@ -52,6 +52,7 @@ class BenchConfig:
     as_planned: bool = False  # honour the plans' fallback rules (default: every plan runs)
     block_size: int = 32
     kv_cache_gib: float = 4.0
+    round_questions: int = 32  # questions every method decodes before the next round starts
 
     def check(self) -> None:
         bad = [m for m in self.methods if m not in METHODS]
@@ -68,8 +69,8 @@ class BenchConfig:
             raise BenchError(f"--engine is vllm or reference, not {self.engine!r}")
         if self.baseline not in ("plain", "shared"):
             raise BenchError(f"--baseline is plain or shared, not {self.baseline!r}")
-        if self.questions < 1 or self.batch < 1:
-            raise BenchError("--questions and --batch must be at least 1")
+        if self.questions < 1 or self.batch < 1 or self.round_questions < 1:
+            raise BenchError("--questions, --batch and --round must be at least 1")
         if any(n < 256 for n in self.lengths):
             raise BenchError("every length must be at least 256 tokens")
         if self.k != "auto" and not (self.k.isdigit() and 1 <= int(self.k) <= MAX_K):
@@ -369,20 +370,37 @@ def read_rows_plain(path: Path) -> list[dict]:
     return out
 
 
+def rounds(cfg: BenchConfig) -> list[int]:
+    """The question counts a sweep grows through. Every method decodes a round's questions before
+    the next round starts, so a long sweep stopped at any point has whole questions to report
+    (each engine kind decodes all its methods in one go, and a sweep run as one round would
+    have nothing but plain-engine rows for hours). A round is whole batches, so batches keep
+    their questions from one round to the next."""
+    step = -(-cfg.round_questions // cfg.batch) * cfg.batch
+    return [*range(step, cfg.questions, step), cfg.questions]
+
+
 def run_sweep(cfg: BenchConfig) -> Path:
-    """Frontend, engines, quality, report. Returns the report's path."""
+    """Frontend, engines, quality, report, a round of questions at a time (`rounds`); the report
+    is written after every round. Returns the report's path."""
+    from kapc.bench import quality, report
+
     cfg.check()
     start_config(cfg)
     positions = model_positions()
-    build_all_priors(cfg, positions)
     rows = read_rows(Path(cfg.out) / RESULTS)
     phases: dict[str, list[str]] = {}
     for m in cfg.methods:
         kind = "kapc" if cfg.baseline == "shared" else ENGINE_OF[m]
         phases.setdefault(kind, []).append(m)
-    for kind, methods in phases.items():
-        run_phase(cfg, kind, methods, rows)
-    from kapc.bench import quality, report
-
-    quality.score(cfg.out)
-    return report.write_report(cfg.out)
+    todo = rounds(cfg)
+    for j, upto in enumerate(todo):
+        part = dataclasses.replace(cfg, questions=upto)
+        if len(todo) > 1:
+            _log(f"kapc bench: round {j + 1}/{len(todo)}: questions up to {upto}")
+        build_all_priors(part, positions)
+        for kind, methods in phases.items():
+            run_phase(part, kind, methods, rows)
+        quality.score(cfg.out)
+        path = report.write_report(cfg.out)
+    return path

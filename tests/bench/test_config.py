@@ -62,6 +62,20 @@ def test_work_items_reuse_the_prefix_cache(tmp_path):
     assert items[4][1] == (2,) and len(items) == 8
 
 
+def test_rounds_grow_by_whole_batches(tmp_path):
+    def rounds(**kw):
+        return R.rounds(BenchConfig(out=tmp_path, **kw))
+
+    assert rounds(questions=100, batch=8, round_questions=32) == [32, 64, 96, 100]
+    assert rounds(questions=100, batch=8, round_questions=20) == [24, 48, 72, 96, 100]
+    assert rounds(questions=8, batch=8, round_questions=32) == [8]
+    assert rounds(questions=64, batch=8, round_questions=32) == [32, 64]
+    # a later round's batches are the earlier round's plus new ones, never a regrouping
+    small = R.work_items(BenchConfig(out=tmp_path, questions=24, batch=8))
+    large = R.work_items(BenchConfig(out=tmp_path, questions=48, batch=8))
+    assert large[:len(small)] == small
+
+
 def _kapc(*args):
     return subprocess.run([sys.executable, "-m", "kapc", *args], capture_output=True, text=True)
 
