@@ -63,6 +63,7 @@ def compile_cmd(
 ) -> None:
     """Compile a prior (or a .kap) into a .kapb plan."""
     from kapc.compiler import block_size_for, compile_module
+    from kapc.explain import unmeasured_gain
     from kapc.files import check_output, write_output
     from kapc.lower.kapb import write_plan
     from kapc.lower.lower import lower_module
@@ -86,6 +87,8 @@ def compile_cmd(
     typer.echo(f"kapc: {output}: {out.kap.name}: {out.prompt.tokens} prompt tokens, {width}/{p.blocks} "
                f"blocks of {p.block_size} (s = {p.retained:.3f}), k = {out.verify.k} "
                f"{out.verify.accept}, predicted speedup {c.speedup:.2f}x ({verdict})", err=True)
+    if (warning := unmeasured_gain(c)) is not None:
+        typer.echo(f"kapc: warning: {warning}", err=True)
 
 
 @app.command()

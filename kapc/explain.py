@@ -56,6 +56,19 @@ def prompt_view(module: Module) -> list[str]:
     return lines
 
 
+def unmeasured_gain(cost) -> str | None:
+    """A warning for a plan that predicts a gain from the paper's memory-bound model alone: on a
+    CPU that model predicts gains where plans lose (docs/cost-model.md), so a user must not take
+    it for a measurement. None when the prediction is measured, or is a loss."""
+    if cost.basis != "memory-bound" or not cost.pays:
+        return None
+    return (f"the predicted {cost.speedup:.2f}x is the paper's memory-bound model, not a "
+            "measurement: on CPUs it predicts gains where plans decode slower than full context "
+            "(docs/cost-model.md). Run `kapc calibrate` once on this machine and compile with "
+            "--engine, so the plan predicts from measured step times and the vLLM hook decides "
+            "each step from them")
+
+
 def cost_view(module: Module) -> list[str]:
     """What the cost model predicts, and what would change its mind."""
     c = module.cost

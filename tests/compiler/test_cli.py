@@ -137,3 +137,19 @@ def test_exit_codes_through_the_real_entry_point(tmp_path):
     assert run("fmt", str(kap)).returncode == 0
     assert run("fmt", "--check", str(kap)).returncode == 0
     assert run("inspect", str(tmp_path / "missing.kapb")).returncode == 1
+
+
+def test_compile_warns_when_an_unmeasured_model_predicts_a_gain(tmp_path):
+    """The memory-bound model predicts gains on CPUs where plans lose (docs/cost-model.md): a plan
+    that says it pays on that model alone says it is not a measurement. A predicted loss needs no
+    warning (the runtime falls back)."""
+    def compile_with(compact: str) -> str:
+        r = runner.invoke(app, ["compile", str(PRIOR), "-o", str(tmp_path / "p.kapb"), "--passes",
+                                f"ground,align-spans,select,resolve-pages,{compact}"])
+        assert r.exit_code == 0, r.output
+        return r.output
+
+    gain = compile_with("compact{k=4,batch=64,profile=none}")
+    assert "pays off" in gain and "warning: the predicted" in gain and "kapc calibrate" in gain
+    loss = compile_with("compact{k=4,batch=1,profile=none}")
+    assert "predicted loss" in loss and "warning" not in loss

@@ -179,6 +179,15 @@ def test_the_server_logs_each_planned_request(server):
     assert f"kapc request {tag}:" in server.log_text()
 
 
+def test_the_server_says_when_no_profile_prices_its_steps(server):
+    """Without a calibration profile (CI's empty cache) plans decide from their compile-time
+    predictions alone, which can lose against plain vLLM: the log says so, once; with a profile
+    it says nothing of the kind."""
+    server.chat("q1", 4, plan_xargs(prior=PRIORS["q1"], tag=_tag("profile")))
+    unpriced = server_stats(server.root)["policy"] == "each plan's own rules"
+    assert server.log_text().count("no calibration profile for") == (1 if unpriced else 0)
+
+
 def test_tolerant_acceptance_runs_in_the_server(server, reference):
     """top-3 is installed in the server's own rejection sampler (the worker binds the proposer
     on its first proposal: nothing calls kapc_bind there). On this prompt greedy verification

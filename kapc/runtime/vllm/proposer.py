@@ -225,6 +225,13 @@ class KapProposer:
             self._layout = compat.attention_layout(runner)
             self.block_size = self._layout.block_size
             self._profile = self._find_profile(runner)
+            if self._profile is None:
+                log.warning("kapc: no calibration profile for %s and this model on this "
+                            "machine: each plan's compile-time prediction (the paper's "
+                            "memory-bound model unless it was compiled with a profile) decides "
+                            "alone, and plans that predict a gain can decode slower than plain "
+                            "vLLM; run `kapc calibrate` once so every step is priced from "
+                            "measured step times", engine_kind(runner.device.type == "cpu"))
             compat.attention_pre_hooks(self.vllm_config, self._layout, self._before_attention)
 
     def _before_attention(self, layer: int, query, key) -> None:
