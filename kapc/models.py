@@ -58,7 +58,10 @@ def ensure_default_model(weights: bool = False) -> Path:
     if marker.exists():
         return dest
     gguf = smollm2_gguf_path()
-    print(f"kapc: converting {gguf.name} into {dest} (once)", file=sys.stderr)
+    # Two stages, each once: the compiler needs only the tokenizer and config; a runtime then
+    # converts the weights. Say which, so the second line does not read as the first repeated.
+    what = "converting the weights of" if weights else "extracting the tokenizer and config of"
+    print(f"kapc: {what} {gguf.name} into {dest} (once)", file=sys.stderr)
     cmd = [sys.executable, "-m", "kapc.convert", str(gguf), str(dest)]
     if weights:
         cmd.append("--weights")
