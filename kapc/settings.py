@@ -22,3 +22,9 @@ def check_roundtrip() -> bool:
 def dump_dir() -> str | None:
     """KAPC_DUMP_DIR=DIR: write the IR after every pass to DIR/<nn>-<pass>.kap."""
     return os.environ.get("KAPC_DUMP_DIR") or None
+
+
+def attention_kernel() -> bool:
+    """KAPC_ATTENTION_KERNEL=0: kapc's vLLM engine runs vLLM's own attention kernel instead of
+    kapc's (kapc.runtime.kernels) for decode, draft and verification steps."""
+    return os.environ.get("KAPC_ATTENTION_KERNEL", "1").strip().lower() not in ("0", "false", "no")

@@ -53,3 +53,57 @@ def test_acceptance_bookkeeping():
     st.last_drafted = 4
     record_verification(st, 1)  # all four rejected: 2 of 8 over the window, below 0.5
     assert st.status == "fallback" and "below the plan's min_acceptance" in st.reason
+
+
+def test_attention_dispatch_sends_few_query_forwards_to_kapcs_kernel():
+    """compat.replace_decode_attention: forwards of up to `max_query` query tokens per row
+    (decode, drafts, verification) run kapc's real kernel; prefill chunks, non-causal forwards
+    and profiling runs keep the backend's own; a kernel refusal (here a real one: a float64
+    query) sends that call and every later one back to the backend, which is said once. The
+    backend is a stand-in recording its calls: vLLM's cannot be built without an engine."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kapc.runtime import kernels
+    from kapc.runtime.vllm import compat
+
+    class Backend:
+        scale = 0.125
+
+        def __init__(self):
+            self.calls = []
+
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *a, **kw):
+            self.calls.append(None if attn_metadata is None else attn_metadata.max_query_len)
+            return output.fill_(-1.0)
+
+    modules = [SimpleNamespace(impl=Backend()) for _ in range(2)]
+    cfg = SimpleNamespace(compilation_config=SimpleNamespace(
+        static_forward_context={"l0": modules[0], "l1": modules[1]}))
+    layout = compat.AttentionLayout(layer_names=["l0", "l1"], block_size=32, builder=None)
+    said, ran = [], []
+    compat.replace_decode_attention(cfg, layout, kernels.paged_attention, max_query=16,
+                                    on_call=lambda i, q: ran.append((i, q)), on_refused=said.append)
+    compat.replace_decode_attention(cfg, layout, kernels.paged_attention, max_query=16)  # once
+    cache = torch.randn(4, 3, 32, 128)
+    table = torch.tensor([[2, 0]], dtype=torch.int32)
+
+    def step(q, causal=True, dtype=torch.float32, layer=0):
+        meta = SimpleNamespace(max_query_len=q, causal=causal, dynamic_causal=None,
+                               num_actual_tokens=q, seq_lens=torch.tensor([40], dtype=torch.int32),
+                               query_start_loc=torch.tensor([0, q], dtype=torch.int32),
+                               block_table=table)
+        query = torch.randn(q, 9, 64, dtype=dtype)
+        out = torch.zeros(q, 9, 64, dtype=dtype)
+        return modules[layer].impl.forward(None, query, None, None, cache, meta, out)
+
+    assert (step(1) != -1).all() and (step(5, layer=1) != -1).all()  # kapc's kernel wrote these
+    assert ran == [(0, 1), (1, 5)] and modules[0].impl.calls == [] == modules[1].impl.calls
+    assert (step(17) == -1).all() and (step(3, causal=False) == -1).all()  # the backend's
+    assert modules[0].impl.forward(None, None, None, None, cache, None, torch.zeros(1)) is not None
+    assert modules[0].impl.calls == [17, 3, None] and not said
+    assert (step(2, dtype=torch.float64) == -1).all()  # refused: the backend ran it instead
+    assert len(said) == 1 and "float32" in said[0]
+    assert (step(2) == -1).all() and len(said) == 1  # and runs everything from then on
+    assert ran == [(0, 1), (1, 5)]

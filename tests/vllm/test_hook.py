@@ -48,6 +48,10 @@ def test_batch_identical_to_plain_vllm(engine, cases, baseline):
     timing = res[0]["timing"]
     # one batched forward per draft step for all plan rows, not one per row
     assert timing["draft_rows"] > timing["draft_forwards"]
+    # decode, draft and verification forwards ran kapc's attention kernel (every draft forward
+    # and every engine step after the prefill), and the output above is still plain vLLM's
+    assert res[0]["attention_kernel"] == "kapc's"
+    assert timing["kernel_steps"] >= timing["draft_forwards"] + max(r["cycles"] for r in res)
 
 
 def test_mismatched_plans_refused_per_request(engine, cases, baseline):

@@ -311,6 +311,7 @@ def generate(engine: KapEngine, prompts_token_ids, plans=None, max_tokens: int =
     if results:
         results[0]["timing"] = stats.get("timing", {})
         results[0]["policy"] = stats.get("policy")
+        results[0]["attention_kernel"] = stats.get("attention_kernel")
     return results
 
 

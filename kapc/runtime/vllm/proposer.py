@@ -53,6 +53,7 @@ TAG_KEY = "kapc_tag"  # a caller-chosen name the per-request statistics are file
 OPTS_KEY = "kapc_opts"  # {"honor_predicted_loss": bool, "k": int, "min_acceptance": bool,
 #                          "accept": "greedy" | "topN", "access": {...}}, or that object as JSON
 KEPT_FINISHED = 10_000  # finished requests' statistics kept for `kapc_stats`, oldest dropped
+KERNEL_MAX_QUERY = 16  # forwards with at most this many query tokens per row run kapc's kernel
 
 
 def attention_problems(hf_config) -> list[str]:
@@ -165,7 +166,10 @@ class KapProposer:
         # select_s / select_choices: query-aware page choice (dynamic and hybrid access)
         self.timing = {"propose_s": 0.0, "draft_forwards": 0, "draft_rows": 0, "calls": 0,
                        "forecast_s": 0.0, "plain_forecast_s": 0.0, "select_s": 0.0,
-                       "select_choices": 0}
+                       "select_choices": 0, "kernel_steps": 0}
+        # the attention kernel of decode, draft and verification forwards ("kapc's", or "vLLM's:"
+        # and why not kapc's)
+        self.attention_kernel = "not yet known (set at the first proposal)"
         self._router = None  # the page choice of the draft forward running now, if any
         # None: not yet checked that keys read back where key_bounds reads them; then True, or
         # the reason query-aware pages are off on this engine
@@ -233,6 +237,50 @@ class KapProposer:
                             "vLLM; run `kapc calibrate` once so every step is priced from "
                             "measured step times", engine_kind(runner.device.type == "cpu"))
             compat.attention_pre_hooks(self.vllm_config, self._layout, self._before_attention)
+            self._install_attention_kernel()
+            measured = getattr(self._profile, "attention_kernel", None) or "vLLM's"
+            if self._profile is not None and measured.split(":")[0] \
+                    != self.attention_kernel.split(":")[0]:
+                log.warning("kapc: the calibration profile %s was measured with %s attention "
+                            "kernel and this engine runs %s: its step times do not hold here; "
+                            "run `kapc calibrate` again", self._profile.key, measured,
+                            self.attention_kernel)
+
+    def _install_attention_kernel(self) -> None:
+        """Decode steps, draft forwards and verification steps (up to KERNEL_MAX_QUERY query
+        tokens per row) run kapc's attention kernel (kapc.runtime.kernels): vLLM-CPU's own is
+        compute-bound at one query token and pays per query token past the first, which made a
+        verification cost 2 to 3 decode steps. Where it cannot run, vLLM's kernel does, and
+        `attention_kernel` in the statistics says why."""
+        from kapc import settings
+        from kapc.runtime import kernels
+
+        problem = None if settings.attention_kernel() else "off (KAPC_ATTENTION_KERNEL=0)"
+        if problem is None:
+            problem = compat.attention_kernel_problem(self.vllm_config, self._layout)
+        if problem is None:
+            try:
+                kernels.load_paged_attention(self.vllm_config.model_config.get_head_size(),
+                                             self.block_size)
+            except kernels.KernelUnavailable as exc:
+                problem = str(exc)
+        if problem is not None:
+            self.attention_kernel = f"vLLM's: {problem}"
+            log.info("kapc: attention runs on %s", self.attention_kernel)
+            return
+
+        def refused(reason: str) -> None:
+            self.attention_kernel = f"vLLM's: {reason}"
+            log.warning("kapc: attention runs on %s", self.attention_kernel)
+
+        def counted(layer: int, max_query: int) -> None:
+            if layer == 0:
+                self.timing["kernel_steps"] += 1
+
+        compat.replace_decode_attention(self.vllm_config, self._layout, kernels.paged_attention,
+                                        max_query=KERNEL_MAX_QUERY, on_call=counted,
+                                        on_refused=refused)
+        self.attention_kernel = "kapc's"
 
     def _before_attention(self, layer: int, query, key) -> None:
         if self._router is not None:
@@ -441,6 +489,7 @@ class KapProposer:
         if tag is not None:
             out = {tag: out[tag]} if tag in out else {}
         res = {"requests": out, "timing": dict(self.timing), "live": len(self.states),
+               "attention_kernel": self.attention_kernel,
                "policy": f"step policy, profile {self._profile.key}" if self._profile is not None
                else "each plan's own rules"}
         if pop:

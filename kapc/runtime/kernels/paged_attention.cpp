@@ -1,0 +1,273 @@
+// Causal attention of a few query tokens per row over a paged KV cache in vLLM-CPU's layout: the
+// verification step of speculative decoding (k + 1 query tokens per row).
+//
+// Why kapc has its own: vLLM-CPU runs one kernel for every query length, and past one query token
+// per row it pays per query token (measured on SmolLM2 at 8 rows x 7936 tokens: 2.3x a decode
+// step for 2 tokens, 3.2x for 5; docs/vllm.md). Here the query tokens of a row and the query
+// heads of a KV group form one tile, so every key and value block is read once for all of them
+// and the tile's dot products run as small register-blocked matrix products.
+//
+// Layout (vLLM-CPU, "vec" ISA, float32): cache[block][kv_head] holds BS keys head-dim-major
+// (key t, dim d at d * BS + t), then BS values token-major (value t, dim d at HD * BS + t * HD + d).
+// Query token i of a row with q tokens and seq_len visible tokens sits at index seq_len - q + i
+// of the row's sequence and sees the keys at indices 0 .. seq_len - q + i (its own included).
+//
+// Work is split into items (row, KV head, query chunk, key split), each computing an unnormalised
+// partial output with its running maximum and sum (online softmax); a final pass combines a row's
+// key splits. Threads: OpenMP, sharing the runtime torch loaded (libgomp.so.1, by soname).
+//
+// Compiled at first use for this machine (`-march=native`) with HD and BS fixed at compile time;
+// kapc/runtime/kernels/__init__.py builds, caches and calls it.
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <omp.h>
+
+#ifndef HD
+#error "HD (head dim) must be defined"
+#endif
+#ifndef BS
+#error "BS (block size) must be defined"
+#endif
+
+namespace {
+
+constexpr int VL = 8;  // floats per vector register (the compiler maps wider or narrower ISAs)
+static_assert(HD % VL == 0 && BS % VL == 0, "HD and BS must be multiples of 8");
+constexpr int NV_D = HD / VL;
+constexpr int NV_B = BS / VL;
+constexpr int MT = 3;     // query rows per score tile: MT * NV_B accumulators stay in registers
+constexpr int MAXM = 64;  // query rows (tokens x heads of a KV group) per work item
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int v8i __attribute__((vector_size(32)));
+
+inline v8 load(const float* p) { v8 v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
+inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
+
+// exp(x) on 8 lanes (Cephes' single-precision range reduction and polynomial, about 1 ulp)
+inline v8 vexp(v8 x) {
+  x = x < splat(-87.33654f) ? splat(-87.33654f) : x;
+  v8 fx = x * splat(1.44269504088896341f) + splat(0.5f);
+  v8 fl = __builtin_convertvector(__builtin_convertvector(fx, v8i), v8);
+  fl = fl > fx ? fl - splat(1.0f) : fl;  // floor
+  x = x - fl * splat(0.693359375f) + fl * splat(2.12194440e-4f);
+  v8 z = x * x;
+  v8 y = splat(1.9875691500e-4f);
+  y = y * x + splat(1.3981999507e-3f);
+  y = y * x + splat(8.3334519073e-3f);
+  y = y * x + splat(4.1665795894e-2f);
+  y = y * x + splat(1.6666665459e-1f);
+  y = y * x + splat(5.0000001201e-1f);
+  y = y * z + x + splat(1.0f);
+  v8i e = (__builtin_convertvector(fl, v8i) + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  return y * scale;
+}
+
+inline float hmax(v8 v) {
+  float m = v[0];
+  for (int i = 1; i < VL; i++) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+inline float hsum(v8 v) {
+  float s = 0.f;
+  for (int i = 0; i < VL; i++) s += v[i];
+  return s;
+}
+
+struct Item {
+  int row, kv_head, m0, m1, b0, b1;  // query rows [m0, m1) of the group tile, blocks [b0, b1)
+};
+
+// s[m][t] = q[m] . key[t] for query rows [m0, m0 + n) of one block (n <= MT)
+template <int N>
+inline void scores(const float* q, const float* keys, float (*s)[BS], int m0) {
+  v8 acc[N][NV_B];
+  for (int i = 0; i < N; i++)
+    for (int j = 0; j < NV_B; j++) acc[i][j] = splat(0.f);
+  for (int d = 0; d < HD; d++) {
+    v8 k[NV_B];
+    for (int j = 0; j < NV_B; j++) k[j] = load(keys + d * BS + j * VL);
+    for (int i = 0; i < N; i++) {
+      v8 qd = splat(q[(m0 + i) * HD + d]);
+      for (int j = 0; j < NV_B; j++) acc[i][j] += qd * k[j];
+    }
+  }
+  for (int i = 0; i < N; i++)
+    for (int j = 0; j < NV_B; j++) store(&s[m0 + i][j * VL], acc[i][j]);
+}
+
+// One item: M query rows (row m is query token first_token + m / group) of one row's KV group
+// over blocks [b0, b1). Writes the unnormalised output o[M][HD], running max mx[M] and sum sm[M].
+void attend(const float* q, int M, int group, int first_token, int q_tokens, int seq_len,
+            const float* cache, int64_t block_stride, int64_t head_stride, int kv_head,
+            const int32_t* table, int b0, int b1, float* o, float* mx, float* sm) {
+  alignas(32) float s[MAXM][BS];
+  alignas(32) float p[BS];
+  for (int m = 0; m < M; m++) mx[m] = -INFINITY, sm[m] = 0.f;
+  std::memset(o, 0, sizeof(float) * M * HD);
+  const int first_pos = seq_len - q_tokens;  // sequence index of the row's first query token
+  for (int b = b0; b < b1; b++) {
+    const float* keys = cache + int64_t(table[b]) * block_stride + int64_t(kv_head) * head_stride;
+    const float* values = keys + HD * BS;
+    const int t0 = b * BS;
+    if (b + 1 < b1) {  // the next block is elsewhere in the pool: start fetching it now
+      const char* next = reinterpret_cast<const char*>(
+          cache + int64_t(table[b + 1]) * block_stride + int64_t(kv_head) * head_stride);
+      for (int off = 0; off < int(2 * HD * BS * sizeof(float)); off += 64)
+        __builtin_prefetch(next + off);
+    }
+    int m = 0;
+    for (; m + MT <= M; m += MT) scores<MT>(q, keys, s, m);
+    if (M - m == 2) scores<2>(q, keys, s, m);
+    if (M - m == 1) scores<1>(q, keys, s, m);
+    if (t0 + BS > first_pos + first_token + 1) {  // the causal edge (or the sequence end) is here
+      for (int r = 0; r < M; r++) {
+        int visible = first_pos + first_token + r / group + 1 - t0;
+        for (int t = visible < 0 ? 0 : visible; t < BS; t++) s[r][t] = -INFINITY;
+      }
+    }
+    for (int r = 0; r < M; r++) {
+      v8 bm = load(&s[r][0]);
+      for (int j = 1; j < NV_B; j++) {
+        v8 x = load(&s[r][j * VL]);
+        bm = x > bm ? x : bm;
+      }
+      const float block_max = hmax(bm);
+      if (block_max == -INFINITY) continue;  // every key of this block is in this query's future
+      const float new_max = block_max > mx[r] ? block_max : mx[r];
+      const float correction = std::exp(mx[r] - new_max);
+      mx[r] = new_max;
+      v8 sum = splat(0.f);
+      for (int j = 0; j < NV_B; j++) {
+        v8 e = vexp(load(&s[r][j * VL]) - splat(new_max));
+        sum += e;
+        store(&p[j * VL], e);
+      }
+      sm[r] = sm[r] * correction + hsum(sum);
+      v8 acc[NV_D];
+      for (int j = 0; j < NV_D; j++) acc[j] = load(o + r * HD + j * VL) * splat(correction);
+      for (int t = 0; t < BS; t++) {
+        v8 pt = splat(p[t]);
+        for (int j = 0; j < NV_D; j++) acc[j] += pt * load(values + t * HD + j * VL);
+      }
+      for (int j = 0; j < NV_D; j++) store(o + r * HD + j * VL, acc[j]);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int kapc_head_dim() { return HD; }
+int kapc_block_size() { return BS; }
+
+// Returns 0, or -1 when a row's group of query heads cannot form a tile (group > MAXM), -2 when
+// scratch memory cannot be allocated. Strides are in elements.
+int kapc_paged_attention(const float* query, int64_t q_token_stride, int64_t q_head_stride,
+                         float* out, int64_t o_token_stride, int64_t o_head_stride,
+                         const float* cache, int64_t block_stride, int64_t head_stride,
+                         const int32_t* query_start_loc, const int32_t* seq_lens, int rows,
+                         const int32_t* block_table, int64_t table_stride, int heads,
+                         int kv_heads, float scale) {
+  const int group = heads / kv_heads;
+  if (group > MAXM) return -1;
+  const int tokens_per_tile = MAXM / group;
+  // key splits: enough items for every thread several times over, none shorter than 8 blocks
+  int64_t total_blocks = 0;
+  for (int r = 0; r < rows; r++) total_blocks += (seq_lens[r] + BS - 1) / BS;
+  const int threads = omp_get_max_threads();
+  int64_t split = total_blocks * kv_heads / (4 * threads);
+  split = split < 8 ? 8 : split > 256 ? 256 : split;
+
+  int n_items = 0;
+  for (int r = 0; r < rows; r++) {
+    const int qt = query_start_loc[r + 1] - query_start_loc[r];
+    const int nb = (seq_lens[r] + BS - 1) / BS;
+    if (qt <= 0 || nb <= 0) continue;
+    n_items += kv_heads * ((qt + tokens_per_tile - 1) / tokens_per_tile) * int((nb + split - 1) / split);
+  }
+  Item* items = static_cast<Item*>(std::malloc(sizeof(Item) * (n_items ? n_items : 1)));
+  const int64_t item_floats = int64_t(MAXM) * (HD + 2);
+  float* partial = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * item_floats * (n_items ? n_items : 1)));
+  if (items == nullptr || partial == nullptr) {
+    std::free(items);
+    std::free(partial);
+    return -2;
+  }
+  int n = 0;
+  for (int r = 0; r < rows; r++) {
+    const int qt = query_start_loc[r + 1] - query_start_loc[r];
+    const int nb = (seq_lens[r] + BS - 1) / BS;
+    if (qt <= 0 || nb <= 0) continue;
+    for (int g = 0; g < kv_heads; g++)
+      for (int t0 = 0; t0 < qt; t0 += tokens_per_tile) {
+        const int t1 = t0 + tokens_per_tile < qt ? t0 + tokens_per_tile : qt;
+        for (int b0 = 0; b0 < nb; b0 += split)
+          items[n++] = Item{r, g, t0 * group, t1 * group, b0, int(b0 + split < nb ? b0 + split : nb)};
+      }
+  }
+
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int i = 0; i < n_items; i++) {
+    const Item& it = items[i];
+    const int qt = query_start_loc[it.row + 1] - query_start_loc[it.row];
+    const int M = it.m1 - it.m0;
+    alignas(32) float q[MAXM * HD];
+    for (int m = 0; m < M; m++) {
+      const int token = (it.m0 + m) / group, h = it.kv_head * group + (it.m0 + m) % group;
+      const float* src = query + int64_t(query_start_loc[it.row] + token) * q_token_stride +
+                         int64_t(h) * q_head_stride;
+      for (int d = 0; d < HD; d++) q[m * HD + d] = src[d] * scale;
+    }
+    float* o = partial + int64_t(i) * item_floats;
+    attend(q, M, group, it.m0 / group, qt, seq_lens[it.row], cache, block_stride, head_stride,
+           it.kv_head, block_table + int64_t(it.row) * table_stride, it.b0, it.b1, o,
+           o + int64_t(MAXM) * HD, o + int64_t(MAXM) * HD + MAXM);
+  }
+
+  // combine each query row's key splits (consecutive items with the same row, head and tile)
+  for (int i = 0; i < n_items;) {
+    int j = i + 1;
+    while (j < n_items && items[j].row == items[i].row && items[j].kv_head == items[i].kv_head &&
+           items[j].m0 == items[i].m0)
+      j++;
+    const Item& it = items[i];
+    for (int m = 0; m < it.m1 - it.m0; m++) {
+      float top = -INFINITY;
+      for (int k = i; k < j; k++) {
+        const float x = partial[int64_t(k) * item_floats + int64_t(MAXM) * HD + m];
+        top = x > top ? x : top;
+      }
+      alignas(32) float acc[HD] = {};
+      float den = 0.f;
+      for (int k = i; k < j; k++) {
+        const float* o = partial + int64_t(k) * item_floats;
+        const float x = o[int64_t(MAXM) * HD + m];
+        if (x == -INFINITY) continue;
+        const float w = std::exp(x - top);
+        den += w * o[int64_t(MAXM) * HD + MAXM + m];
+        for (int d = 0; d < HD; d++) acc[d] += w * o[m * HD + d];
+      }
+      const int token = (it.m0 + m) / group, h = it.kv_head * group + (it.m0 + m) % group;
+      float* dst = out + int64_t(query_start_loc[it.row] + token) * o_token_stride +
+                   int64_t(h) * o_head_stride;
+      const float inv = 1.f / den;
+      for (int d = 0; d < HD; d++) dst[d] = acc[d] * inv;
+    }
+    i = j;
+  }
+  std::free(items);
+  std::free(partial);
+  return 0;
+}
+
+}  // extern "C"

