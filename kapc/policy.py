@@ -88,11 +88,20 @@ def predicted_speedup(weight_bytes: float, kv_bytes: float, batch: int, s: float
     return base / plan
 
 
+def unplanned_step(profile, batch: int, context: float) -> float:
+    """Seconds of a decode step on the profiled engine for requests without a plan: kapc's engine
+    at rest (`resting`: with kapc's attention kernel, faster than plain vLLM on a CPU), or plain
+    decoding where the profile measured no resting steps. This is what a plan must beat: what the
+    same engine does without it."""
+    return profile.seconds("resting" if "resting" in profile.fits else "plain", batch, context)
+
+
 def profiled_speedup(profile, batch: int, context: int, s: float, k: int, p: float) -> float:
-    """Speedup over the engine's plain decoding, from measured step times (a
-    `kapc.profile.Profile`): (1 + p + ... + p^k) plain steps' worth of tokens per cycle of k draft
-    forwards over s*context tokens and one verification of k+1 tokens over the context."""
-    plain = profile.seconds("plain", batch, context)
+    """Speedup over the engine's own decoding without a plan (`unplanned_step`), from measured step
+    times (a `kapc.profile.Profile`): (1 + p + ... + p^k) unplanned steps' worth of tokens per
+    cycle of k draft forwards over s*context tokens and one verification of k+1 tokens over the
+    context."""
+    plain = unplanned_step(profile, batch, context)
     draft = profile.seconds("draft", batch, max(1.0, s * context))
     propose = profile.seconds("propose", batch, context) if "propose" in profile.fits else 0.0
     verify = profile.seconds("verify", batch, context, query=k + 1)
@@ -176,8 +185,7 @@ def step_cost(profile, rows: list[tuple[int, int, float]], others: list[int]) ->
     contexts = [L for _, L, _ in rows] + list(others)
     B = len(contexts)
     if not drafting:  # a step of a speculating engine with nothing to verify
-        kind = "resting" if "resting" in profile.fits else "plain"
-        return profile.seconds(kind, B, sum(contexts) / max(1, B))
+        return unplanned_step(profile, B, sum(contexts) / max(1, B))
     # verification: the fitted features summed over rows that differ in q and context
     q = [k + 1 for k, _, _ in rows] + [1] * len(others)
     verify = profile.seconds_of("verify", {
@@ -193,15 +201,16 @@ def step_cost(profile, rows: list[tuple[int, int, float]], others: list[int]) ->
 
 def step_forecast(profile, drafting: list[DraftRow], others: list[int]) -> tuple[float, float]:
     """What the profile expects of one step in which each of `drafting` drafts its k and the
-    `others` decode one token: (seconds, seconds plain decoding would take for as many tokens).
-    Their sums over a run are the run's predicted speedup: what ran, as the profile sees it."""
+    `others` decode one token: (seconds, seconds the engine's unplanned decoding would take for as
+    many tokens). Their sums over a run are the run's predicted speedup: what ran, as the profile
+    sees it."""
     B = len(drafting) + len(others)
     if B == 0:
         return 0.0, 0.0
     tokens = sum(tokens_per_cycle(r.p, r.k) for r in drafting) + len(others)
     mean_L = (sum(r.context for r in drafting) + sum(others)) / B
     seconds = step_cost(profile, [(r.k, r.context, r.s) for r in drafting], others)
-    return seconds, tokens * profile.seconds("plain", B, mean_L) / B
+    return seconds, tokens * unplanned_step(profile, B, mean_L) / B
 
 
 def plan_step(profile, rows: list[DraftRow], others: list[int],

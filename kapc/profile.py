@@ -91,6 +91,9 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
     fits: dict[str, StepFit] = {}
     acceptance: dict[str, AcceptanceFit] = {}  # by acceptance_key: "greedy", "top3+dynamic", ...
     note: str = ""
+    # the attention kernel kapc's engine ran while measured (the proposer's `attention_kernel`:
+    # "kapc's", or "vLLM's: <why>"); "" for profiles measured before kapc had one
+    attention_kernel: str = ""
 
     @property
     def key(self) -> str:

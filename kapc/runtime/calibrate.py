@@ -174,8 +174,8 @@ def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
                       model_fingerprint=bench.fingerprint, dtype=bench.dtype, device=bench.device,
                       threads=bench.threads, block_size=bench.block_size, created=now(),
                       samples=tuple(samples), fits=fit_steps(samples),
-                      acceptance=acceptance,
-                      note=bench.note)
+                      acceptance=acceptance, note=bench.note,
+                      attention_kernel=getattr(bench, "attention_kernel", ""))
     path = save_profile(profile, out)
     part.path.unlink(missing_ok=True)
     return profile, path
@@ -377,6 +377,14 @@ def show(profile: Profile) -> str:
              f"{profile.block_size}, {profile.created})"]
     if profile.note:
         lines.append(f"  note: {profile.note}")
+    if profile.attention_kernel:
+        lines.append(f"  attention kernel of kapc's engine: {profile.attention_kernel}")
+    if "plain" in profile.fits and "resting" in profile.fits:
+        gains = [profile.seconds("plain", B, L) / profile.seconds("resting", B, L)
+                 for L in (2048, 8192) for B in (1, 8)]
+        lines.append(f"  kapc's engine without plans decodes {min(gains):.2f}x to {max(gains):.2f}x "
+                     f"as fast as plain decoding (resting against plain, 2K-8K x 1-8); plans are "
+                     f"predicted against resting")
     for kind, fit in profile.fits.items():
         terms = " + ".join(f"{c * 1e3:.4g}ms*{f}" if f != "1" else f"{c * 1e3:.4g}ms"
                            for f, c in zip(fit.features, fit.coef) if c > 0)

@@ -12,7 +12,8 @@ import pytest
 from kapc.lower.kapb import CostPrediction, FallbackPolicy, PlanHeader
 from kapc.policy import (AcceptanceMonitor, DraftRow, PolicyError, accepted_prefix, acceptance_rate,
                          admit, engine_blocks, estimated_p, parse_accept, plan_step, predict,
-                         predicted_speedup, step_forecast, tokens_per_cycle, visible_tokens)
+                         predicted_speedup, step_forecast, tokens_per_cycle, unplanned_step,
+                         visible_tokens)
 from kapc.profile import AcceptanceFit, Profile, StepFit, StepSample, fit_steps, load_profile, save_profile
 
 
@@ -113,6 +114,24 @@ def test_profiled_prediction_k_auto_and_break_even():
         **{**msgspec.structs.asdict(prof), "fits": {**prof.fits, "draft": StepFit(
             features=("1", "B", "BV"), coef=(0.2, 0, 0), rel_error=0, samples=3)}}))
     assert never.break_even is None and never.speedup < 1
+
+
+def test_a_plan_is_priced_against_its_own_engine_without_plans():
+    """kapc's engine decodes unplanned requests on its own attention kernel (`resting`): a plan
+    must beat that, not the slower plain engine, so the same cycle predicts less and can lose."""
+    prof = known_profile()
+    faster = Profile(**{**msgspec.structs.asdict(prof), "fits": {
+        **prof.fits, "resting": StepFit(features=("1", "B", "BV"), coef=(0.007, 0, 0),
+                                        rel_error=0, samples=3)}})
+    assert unplanned_step(prof, 1, 4096) == pytest.approx(0.010)  # no resting model: plain
+    assert unplanned_step(faster, 1, 4096) == pytest.approx(0.007)
+    # k=3 at p 0.8: 2.952 tokens per 25 ms cycle; 7 ms per token at rest
+    pred = predict(s=0.1, p=0.8, k=3, batch=1, context=4096, profile=faster)
+    assert pred.speedup == pytest.approx(2.952 * 7 / 25)
+    assert pred.speedup < 1 < predict(s=0.1, p=0.8, k=3, batch=1, context=4096,
+                                      profile=prof).speedup
+    assert plan_step(faster, [DraftRow(p=0.8, k=4, s=0.1, context=4096)], []) == [0]
+    assert step_forecast(faster, [], [4096]) == pytest.approx((0.007, 0.007))
 
 
 def test_step_policy_drafts_what_pays_for_the_batch():

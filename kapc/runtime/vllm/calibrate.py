@@ -46,6 +46,7 @@ class VllmBench:
         self.max_context, self.max_batch = max_context, max_batch
         self.kv_cache_gib = kv_cache_gib or max(2, int(need * 1.25) + 1)
         self.note = "rows decode distinct prompts; plans are synthetic selections of s of a prompt"
+        self.attention_kernel = ""  # what kapc's engine runs (the proposer says, once it is up)
         self._prompts = None
         self._eng = None
         self._method = None
@@ -98,7 +99,10 @@ class VllmBench:
         return (walls[4 + steps] - walls[4]) / steps
 
     def _step_log(self, eng, pop: bool = True) -> list[tuple]:
-        return eng.llm.collective_rpc("kapc_step_log", kwargs={"pop": pop})[0]
+        log = eng.llm.collective_rpc("kapc_step_log", kwargs={"pop": pop})[0]
+        if log and not self.attention_kernel:  # the proposer has set up: it knows its kernel
+            self.attention_kernel = eng.stats(pop=False)["attention_kernel"]
+        return log
 
     def resting(self, L: int, B: int, steps: int) -> float:
         from kapc.runtime.vllm import generate
