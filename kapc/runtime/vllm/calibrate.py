@@ -8,7 +8,9 @@ from __future__ import annotations
 import os
 import time
 
+from kapc.errors import KapcError
 from kapc.profile import acceptance_key
+from kapc.runtime.vllm import compat
 from kapc.runtime.calibrate import (CycleTimes, Grid, acceptance_points, access_of,
                                     build_acceptance_cases, cycle_times, median_step,
                                     timing_prompts)
@@ -45,6 +47,16 @@ class VllmBench:
         need = max_batch * (max_context + 1024) * kv_per_token / 2**30
         self.max_context, self.max_batch = max_context, max_batch
         self.kv_cache_gib = kv_cache_gib or max(2, int(need * 1.25) + 1)
+        room = compat.cpu_kv_room_gib() if self.engine == "vllm-cpu" else None
+        if room is not None and self.kv_cache_gib > room:
+            fits = [b for b in (1, 2, 4, 8, 12, 16, 24, 32)
+                    if max(2, int(b * need / max_batch * 1.25) + 1) <= room]
+            raise KapcError(
+                f"kapc calibrate: batch {max_batch} at {max_context} tokens needs a "
+                f"{self.kv_cache_gib} GiB KV cache, and vLLM-CPU allocates it on NUMA node 0, "
+                f"which has {room:.1f} GiB free; time smaller batches"
+                + (f" (--batches up to {max(fits)})" if fits else "")
+                + " or shorter contexts (--contexts)")
         self.note = "rows decode distinct prompts; plans are synthetic selections of s of a prompt"
         self.attention_kernel = ""  # what kapc's engine runs (the proposer says, once it is up)
         self._prompts = None

@@ -270,6 +270,17 @@ def check_key_layout(vllm_config, layout: AttentionLayout, slot: int, key: torch
                                    "(head_dim-major per block): query-aware pages are off")
 
 
+def cpu_kv_room_gib(node: int = 0) -> float | None:
+    """GiB free on the NUMA node vLLM-CPU allocates its KV cache on (it refuses to start when asked
+    for more), or None where vLLM cannot say."""
+    try:
+        from vllm.utils.cpu_resource_utils import get_memory_node_info
+
+        return get_memory_node_info(node).available_memory / 2**30
+    except Exception:  # noqa: BLE001 - another vLLM layout: let vLLM's own check speak
+        return None
+
+
 # ---- the OpenAI-compatible server (kapc serve) -----------------------------------------------
 
 def api_server_module() -> str:
