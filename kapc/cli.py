@@ -222,6 +222,10 @@ def run(
 ) -> None:
     """Decode a plan's prompt with the plan (selected-KV proposals, full-context verification)."""
     common = dict(accept=accept, k=k, max_tokens=max_tokens, compare_full=compare_full, model=model)
+    if model is None:  # converted while the runtime imports torch
+        from kapc.models import prepare_default_model
+
+        prepare_default_model(weights=True)
     if engine == "reference":
         from kapc.runtime.run import format_report, run_plan_file
 

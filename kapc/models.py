@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from kapc.errors import KapcError, excerpt
@@ -50,6 +51,10 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+# One conversion at a time in a process: `prepare_default_model` may have one running already.
+_converting = threading.Lock()
+
+
 def ensure_default_model(weights: bool = False) -> Path:
     """Return the cached Hugging Face folder of the default model, converting it first if needed.
     Without `weights`, only the tokenizer and config are made (fast, what the compiler needs)."""
@@ -57,6 +62,31 @@ def ensure_default_model(weights: bool = False) -> Path:
     marker = dest / ("weights.ok" if weights else "tokenizer.ok")
     if marker.exists():
         return dest
+    with _converting:
+        if marker.exists():  # made while this call waited
+            return dest
+        return _convert_default_model(dest, marker, weights)
+
+
+def prepare_default_model(weights: bool = False) -> None:
+    """Start converting the default model (the tokenizer and config; with `weights`, the weights
+    too) in the background, if it is not cached yet. The conversion runs in a subprocess, so on a
+    new user's first run it takes the other core while this process goes on (the frontend builds
+    its index; a runtime imports torch); the first caller of `ensure_default_model` then waits
+    for it, and reports any failure, instead of starting again."""
+    if (default_model_dir() / ("weights.ok" if weights else "tokenizer.ok")).exists():
+        return
+
+    def convert():
+        try:
+            ensure_default_model(weights)
+        except KapcError:
+            pass  # the foreground call tries again and raises with the reason
+
+    threading.Thread(target=convert, name="kapc-convert-model", daemon=True).start()
+
+
+def _convert_default_model(dest: Path, marker: Path, weights: bool) -> Path:
     gguf = smollm2_gguf_path()
     # Two stages, each once: the compiler needs only the tokenizer and config; a runtime then
     # converts the weights. Say which, so the second line does not read as the first repeated.

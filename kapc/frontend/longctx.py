@@ -38,6 +38,7 @@ from kapc.frontend import data
 from kapc.frontend.errors import FrontendError, require
 from kapc.frontend.prompt import (DEFAULT_INSTRUCTION, chat_request, passage_text,
                                   prompt_tokenizer)
+from kapc.models import prepare_default_model
 from kapc.prior import Request, Segment
 
 BLOCK = 8
@@ -368,6 +369,8 @@ def build_hotpotqa(index: int | None = None, context_tokens: int = 4096, *, qid:
     gold = set(q.gold_titles)
     base = list(q.paragraphs)
     origins = ["gold" if p.title in gold else "distractor" for p in base]
+    if model is None:  # the tokenizer is extracted while the index is built
+        prepare_default_model()
     pool = hotpotqa_pool()
 
     def negatives():
@@ -396,6 +399,8 @@ def build_squad(index: int | None = None, context_tokens: int = 4096, *, qid: st
     q = data.squad_question(index=index, qid=qid)
     paragraphs = data.squad_paragraphs()
     base = [paragraphs[q.paragraph]]
+    if model is None:  # the tokenizer is extracted while the index is built
+        prepare_default_model()
     pool = squad_pool()
 
     def negatives():
