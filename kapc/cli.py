@@ -286,8 +286,9 @@ def calibrate(
     threads: Annotated[Optional[int], typer.Option(help="reference engine: torch threads (default: torch's).")] = None,
     quick: Annotated[bool, typer.Option(help="A small grid (2K/4K, batch 1/4, 8 steps, 2 questions).")] = False,
     resume: Annotated[bool, typer.Option(help="Continue an interrupted calibration.")] = True,
-    acceptance_only: Annotated[bool, typer.Option(
-        help="Measure only the acceptance model again, keeping this engine's step-time fits.")] = False,
+    only: Annotated[Optional[str], typer.Option(
+        help="Measure only these kinds of point again (comma-separated: plain, resting, cycle, "
+             "select, acceptance), keeping the rest of this engine's profile.")] = None,
     show: Annotated[bool, typer.Option(help="Print the profiles found (or --profile) and exit.")] = False,
     profile: Annotated[Optional[Path], typer.Option(help="With --show: this profile file.")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="Write measured-against-fitted step times as PNG.")] = None,
@@ -295,8 +296,12 @@ def calibrate(
 ) -> None:
     """Time decode steps on this machine and fit the cost model the compiler predicts with."""
     from kapc.profile import load_profile, profiles_dir
-    from kapc.runtime.calibrate import Grid, calibrate as run, plot as plot_profile, show as show_profile
+    from kapc.runtime.calibrate import (MEASURES, Grid, calibrate as run, plot as plot_profile,
+                                        show as show_profile)
 
+    kinds = tuple(x.strip() for x in only.split(",") if x.strip()) if only is not None else MEASURES
+    if not kinds or any(k not in MEASURES for k in kinds):
+        raise KapcError(f"--only takes {', '.join(MEASURES)} (comma-separated), not {only!r}")
     if show:
         files = [profile] if profile else sorted(profiles_dir().glob("*.json"))
         if not files:
@@ -337,14 +342,14 @@ def calibrate(
     else:
         raise KapcError(f"--engine must be vllm or reference, not {engine!r}")
     base = None
-    if acceptance_only:
+    if only is not None:
         from kapc.profile import find_profile
 
         base = find_profile(bench.engine, bench.fingerprint)
         if base is None:
-            raise KapcError(f"--acceptance-only: no {bench.engine} profile for this model yet; "
+            raise KapcError(f"--only: no {bench.engine} profile for this model yet; "
                             f"run kapc calibrate first")
-    prof, path = run(bench, grid, resume=resume, out=output, base=base)
+    prof, path = run(bench, grid, resume=resume, out=output, base=base, only=kinds)
     typer.echo(show_profile(prof))
     typer.echo(f"kapc: profile written to {path}", err=True)
     if plot:

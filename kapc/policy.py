@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import msgspec
@@ -96,16 +96,30 @@ def unplanned_step(profile, batch: int, context: float) -> float:
     return profile.seconds("resting" if "resting" in profile.fits else "plain", batch, context)
 
 
-def profiled_speedup(profile, batch: int, context: int, s: float, k: int, p: float) -> float:
+def profiled_speedup(profile, batch: int, context: int, s: float, k: int, p: float,
+                     chooses_pages: bool = False) -> float:
     """Speedup over the engine's own decoding without a plan (`unplanned_step`), from measured step
     times (a `kapc.profile.Profile`): (1 + p + ... + p^k) unplanned steps' worth of tokens per
     cycle of k draft forwards over s*context tokens and one verification of k+1 tokens over the
-    context."""
+    context, plus, for query-aware pages (`chooses_pages`), the cycle's page choice."""
     plain = unplanned_step(profile, batch, context)
     draft = profile.seconds("draft", batch, max(1.0, s * context))
     propose = profile.seconds("propose", batch, context) if "propose" in profile.fits else 0.0
     verify = profile.seconds("verify", batch, context, query=k + 1)
-    return tokens_per_cycle(p, k) * plain / (k * draft + propose + verify)
+    return tokens_per_cycle(p, k) * plain / (k * draft + propose + verify
+                                             + page_choice(profile, batch if chooses_pages else 0,
+                                                           batch * context))
+
+
+def page_choice(profile, rows: int, tokens: float) -> float:
+    """Seconds one cycle spends choosing the pages of `rows` query-aware rows whose prompts hold
+    `tokens` tokens together: scoring every prompt block against each layer's query and writing
+    the choice into the block table. 0 for no such rows, or a profile that never measured it
+    (`kapc calibrate --only select` adds it); measured at 22 to 65 ms a cycle at 4K x 4 on a
+    2-core CPU, where a draft forward is 120 ms, so a plan's sign can hang on it."""
+    if rows == 0 or "select" not in profile.fits:
+        return 0.0
+    return profile.seconds_of("select", {"1": 1.0, "B": float(rows), "BV": float(tokens)})
 
 
 @dataclass(frozen=True)
@@ -122,14 +136,16 @@ class Prediction:
 
 
 def predict(*, s: float, p: float, k: int | None, batch: int, context: int, profile=None,
-            weight_bytes: float = 0.0, kv_bytes: float = 0.0) -> Prediction:
+            weight_bytes: float = 0.0, kv_bytes: float = 0.0,
+            chooses_pages: bool = False) -> Prediction:
     """The speedup of a plan retaining s of `context` tokens, per-draft acceptance p, at proposal
     length k (None: the k in 1..MAX_AUTO_K with the best predicted speedup). With a profile the
-    step times are the measured ones; without, the paper's memory-bound model."""
+    step times are the measured ones (with the page choice of query-aware plans,
+    `chooses_pages`); without, the paper's memory-bound model."""
 
     def speedup(kk: int, pp: float) -> float:
         if profile is not None:
-            return profiled_speedup(profile, batch, context, s, kk, pp)
+            return profiled_speedup(profile, batch, context, s, kk, pp, chooses_pages)
         return predicted_speedup(weight_bytes, kv_bytes, batch, s, acceptance_rate(pp, kk), kk)
 
     by_k = tuple(round(speedup(kk, p), 4) for kk in range(1, MAX_AUTO_K + 1))
@@ -161,13 +177,15 @@ def predict(*, s: float, p: float, k: int | None, batch: int, context: int, prof
 
 @dataclass(frozen=True)
 class DraftRow:
-    """A row that may draft this step: its acceptance estimate, its plan's k, its retained ratio
-    and the tokens its full context holds."""
+    """A row that may draft this step: its acceptance estimate, its plan's k (or, given to
+    `step_cost`, the tokens it drafts this step), its retained ratio, the tokens its full context
+    holds, and whether its pages are chosen by the query each cycle (dynamic or hybrid access)."""
 
     p: float
     k: int
     s: float
     context: int
+    chooses_pages: bool = False
 
 
 def estimated_p(prior_p: float, accepted: int, tried: int, weight: float = 16.0) -> float:
@@ -178,25 +196,27 @@ def estimated_p(prior_p: float, accepted: int, tried: int, weight: float = 16.0)
     return (weight * prior_p + accepted) / (weight + tried)
 
 
-def step_cost(profile, rows: list[tuple[int, int, float]], others: list[int]) -> float:
-    """Seconds of one engine step in which each of `rows` (k, context, s) drafts k tokens and is
+def step_cost(profile, rows: list[DraftRow], others: list[int]) -> float:
+    """Seconds of one engine step in which each of `rows` drafts its k tokens (0: none) and is
     verified, and each of `others` (context) decodes one token."""
-    drafting = [(k, L, s) for k, L, s in rows if k > 0]
-    contexts = [L for _, L, _ in rows] + list(others)
+    drafting = [r for r in rows if r.k > 0]
+    contexts = [r.context for r in rows] + list(others)
     B = len(contexts)
     if not drafting:  # a step of a speculating engine with nothing to verify
         return unplanned_step(profile, B, sum(contexts) / max(1, B))
     # verification: the fitted features summed over rows that differ in q and context
-    q = [k + 1 for k, _, _ in rows] + [1] * len(others)
+    q = [r.k + 1 for r in rows] + [1] * len(others)
     verify = profile.seconds_of("verify", {
         "1": 1.0, "B": float(B), "Bq": float(sum(q)), "BV": float(sum(contexts)),
         "BqV": float(sum(a * b for a, b in zip(q, contexts)))})
     draft = 0.0
-    for j in range(max(k for k, _, _ in drafting)):  # draft step j runs the rows still drafting
-        live = [(L, s) for k, L, s in drafting if k > j]
-        draft += profile.seconds("draft", len(live), sum(s * L for L, s in live) / len(live))
+    for j in range(max(r.k for r in drafting)):  # draft step j runs the rows still drafting
+        live = [r for r in drafting if r.k > j]
+        draft += profile.seconds("draft", len(live), sum(r.s * r.context for r in live) / len(live))
     propose = profile.seconds("propose", len(drafting), 0) if "propose" in profile.fits else 0.0
-    return verify + draft + propose
+    choosing = [r for r in drafting if r.chooses_pages]
+    return verify + draft + propose + page_choice(profile, len(choosing),
+                                                  sum(r.context for r in choosing))
 
 
 def step_forecast(profile, drafting: list[DraftRow], others: list[int]) -> tuple[float, float]:
@@ -209,7 +229,7 @@ def step_forecast(profile, drafting: list[DraftRow], others: list[int]) -> tuple
         return 0.0, 0.0
     tokens = sum(tokens_per_cycle(r.p, r.k) for r in drafting) + len(others)
     mean_L = (sum(r.context for r in drafting) + sum(others)) / B
-    seconds = step_cost(profile, [(r.k, r.context, r.s) for r in drafting], others)
+    seconds = step_cost(profile, list(drafting), others)
     return seconds, tokens * unplanned_step(profile, B, mean_L) / B
 
 
@@ -222,7 +242,6 @@ def plan_step(profile, rows: list[DraftRow], others: list[int],
     if not rows:
         return []
     fixed_tokens = sum(tokens_per_cycle(r.p, r.k) for r in fixed)
-    fixed_cost = [(r.k, r.context, r.s) for r in fixed]
     order = sorted(range(len(rows)), key=lambda i: -rows[i].p)
     best, best_rate = [0] * len(rows), None
     kmax = max(r.k for r in rows)
@@ -232,8 +251,8 @@ def plan_step(profile, rows: list[DraftRow], others: list[int],
             ks = [min(r.k, cap) if i in chosen else 0 for i, r in enumerate(rows)]
             tokens = (sum(tokens_per_cycle(r.p, k) for r, k in zip(rows, ks)) + len(others)
                       + fixed_tokens)
-            cost = step_cost(profile, [(k, r.context, r.s) for r, k in zip(rows, ks)]
-                             + fixed_cost, others)
+            cost = step_cost(profile, [replace(r, k=k) for r, k in zip(rows, ks)]
+                             + list(fixed), others)
             rate = tokens / cost
             if best_rate is None or rate > best_rate * (1 + 1e-9):
                 best, best_rate = ks, rate

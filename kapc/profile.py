@@ -9,6 +9,7 @@ A profile holds the measured samples and, per kind of step, a small linear model
     resting a step of kapc's engine with no drafts (a plan that fell back)            1, B, B*V
     draft   one draft forward, 1 query token per row over V visible tokens            1, B, B*V
     propose the proposer's own work per step besides its forwards (metadata, Python)   1, B
+    select  one cycle's query-aware page choice for B rows of V prompt tokens          1, B, B*V
     verify  one verification step, q = k+1 query tokens per row over V tokens         1, B, B*q, B*V, B*q*V
 
 with B the batch (rows), V the tokens each row attends to and q its query tokens. The features
@@ -36,12 +37,13 @@ import numpy as np
 from kapc.errors import KapcError
 
 PROFILE_VERSION = 1
-StepKind = Literal["plain", "resting", "draft", "verify"]
+StepKind = Literal["plain", "resting", "draft", "propose", "select", "verify"]
 FEATURES: dict[str, tuple[str, ...]] = {
     "plain": ("1", "B", "BV"),
     "resting": ("1", "B", "BV"),
     "draft": ("1", "B", "BV"),
     "propose": ("1", "B"),
+    "select": ("1", "B", "BV"),
     "verify": ("1", "B", "Bq", "BV", "BqV"),
 }
 

@@ -12,7 +12,8 @@ and the cost model's prediction for this prompt (`kapc.policy.predict`). With a 
 profile of the target engine (`profile=auto` finds the one `kapc calibrate` wrote for
 `kapc compile --engine ...`; `profile=PATH` names one) the prediction uses measured step times and
 the profile's acceptance model for this s (for a dynamic or hybrid access policy, its model of
-query-chosen pages at the access budget, which is what the drafts read); without one, the
+query-chosen pages at the access budget, which is what the drafts read, and the measured cost of
+choosing them each cycle); without one, the
 paper's memory-bound model with `expect-acceptance` as the per-draft acceptance p. `k=auto` takes
 the k with the best predicted speedup. With a profile, the runtime's acceptance floor
 (`fallback.min_acceptance`) is raised to the break-even acceptance, so a request whose drafts are
@@ -102,7 +103,8 @@ class Compact(Pass):
                    or profile.acceptance_fit(self.accept))
             p = fit.p(drafted, n) if fit is not None else p
         pred = predict(s=drafted, p=p, k=None if self.k == "auto" else self.k, batch=self.batch,
-                       context=n, profile=profile, weight_bytes=weights, kv_bytes=kv)
+                       context=n, profile=profile, weight_bytes=weights, kv_bytes=kv,
+                       chooses_pages=self.access != "static")
         speedup = round(pred.speedup, 4)
         # Memory-bound predictions are known to be wrong on some hardware (DESIGN.md): only a
         # measured profile's break-even may stop a runtime.

@@ -4,7 +4,9 @@ small model of it (`kapc.profile`), and save a profile the compiler predicts pla
 The grid: context lengths L x batch sizes B, at each a plain step of the engine users would
 otherwise run, a step of kapc's engine with no drafts (`resting`), and for each (s, q) pair one
 run of synthetic plans that keep s of the prompt and verify q = k+1 tokens, which yields the
-draft forward, the proposer's overhead and the verification step. Row r of every batch decodes
+draft forward, the proposer's overhead and the verification step, and one run of plans whose
+pages the query chooses each cycle (hybrid access, the compiler's default), which yields the page
+choice's cost (`select`). Row r of every batch decodes
 its own long HotpotQA prompt (question 5 + 7r, padded with hard negatives), cut to L tokens: rows
 never share KV (a first measurement with one prompt shared by every row made an 8K step look
 2.4x cheaper than real batches are), and since every L is a prefix of the longest, one prefill of
@@ -28,7 +30,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from kapc.profile import (Profile, StepSample, acceptance_key, fit_acceptance, fit_steps, now,
+from kapc.profile import (FEATURES, Profile, StepSample, acceptance_key, fit_acceptance, fit_steps, now,
                           profile_key, profiles_dir, save_profile)
 
 CALIBRATION_QUESTIONS = 1000  # first HotpotQA dev index of the calibration split
@@ -39,6 +41,8 @@ class Grid:
     contexts: tuple[int, ...] = (2048, 4096, 7936)
     batches: tuple[int, ...] = (1, 4, 8, 16)
     pairs: tuple[tuple[float, int], ...] = ((0.05, 2), (0.1, 3), (0.2, 5), (0.4, 8))
+    # (s, q) of the query-aware run per (L, B) that times page choice; None: not measured
+    select_pair: tuple[float, int] | None = (0.1, 5)
     steps: int = 16  # decode steps (or cycles) timed per point
     acceptance_questions: int = 8
     acceptance_contexts: tuple[int, ...] = (4096, 7936)
@@ -60,6 +64,8 @@ class Grid:
                 pts.append(("resting", L, B, 0.0, 1))
                 for s, q in self.pairs:
                     pts.append(("cycle", L, B, s, q))
+                if self.select_pair:
+                    pts.append(("select", L, B) + tuple(self.select_pair))
         if self.acceptance_questions:
             for L in self.acceptance_contexts:
                 pts.append(("acceptance", L, len(self.budgets), 0.0, 0))
@@ -72,9 +78,10 @@ class Grid:
 
 @dataclass
 class CycleTimes:
-    draft: float  # one draft forward
+    draft: float  # one draft forward, page choice not included
     propose: float  # the proposer's own work per step, besides forwards
     verify: float  # one verification step
+    select: float = 0.0  # one cycle's query-aware page choice (inside its draft forwards)
 
 
 @dataclass
@@ -118,19 +125,24 @@ class Partial:
         return out
 
 
+MEASURES = ("plain", "resting", "cycle", "select", "acceptance")  # the grid's kinds of point
+
+
 def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
-              out: str | Path | None = None, base: Profile | None = None) -> tuple[Profile, Path]:
+              out: str | Path | None = None, base: Profile | None = None,
+              only: tuple[str, ...] = MEASURES) -> tuple[Profile, Path]:
     """Measure `grid` on `bench`, fit, save; returns the profile and where it was written.
-    With `base`, only the acceptance model is measured again and the base's step fits kept."""
+    With `base`, only the points of the kinds in `only` (of MEASURES) are measured, and the
+    base's samples and acceptance models of the other kinds are kept."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     key = profile_key(bench.engine, bench.fingerprint, bench.dtype, bench.device, bench.threads)
     part = Partial.open(profiles_dir() / f"{key}.partial.jsonl", resume)
     todo = [p for p in grid.points() if tuple(p) not in part.done
-            and (base is None or p[0] == "acceptance")]
+            and (base is None or p[0] in only)]
     console = Console(stderr=True)
-    if len(todo) < len(grid.points()):
+    if len(todo) < len(grid.points()) and base is None:
         console.print(f"kapc calibrate: resuming {key}: {len(grid.points()) - len(todo)} of "
                       f"{len(grid.points())} points already measured")
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
@@ -152,11 +164,14 @@ def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
                 samples = [StepSample("draft", B, 1, visible, c.draft),
                            StepSample("propose", B, 1, L, c.propose),
                            StepSample("verify", B, q, L, c.verify)]
+            elif kind == "select":
+                c = bench.cycle(L, B, s, q, grid.steps, access="hybrid")
+                samples = [StepSample("select", B, 1, L, c.select)]
             else:
                 samples = []
                 extra = {"acceptance": bench.acceptance(grid, L)}
             part.add(point, samples, extra)
-            bar.console.print(f"  {kind:10} L={L:<5} B={B:<3}" + (f" s={s:<5} q={q}" if kind == "cycle" else "")
+            bar.console.print(f"  {kind:10} L={L:<5} B={B:<3}" + (f" s={s:<5} q={q}" if q > 1 else "")
                               + "  " + ", ".join(f"{x.kind} {x.seconds * 1000:.1f} ms" for x in samples)
                               + (f"  acceptance {extra['acceptance']}" if extra else "")
                               + f"  ({time.perf_counter() - t0:.0f}s)")
@@ -166,7 +181,16 @@ def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
     acceptance = {rule: fit for rule, pts in part.acceptance_points().items()
                   if (fit := fit_acceptance(pts)) is not None}
     if base is not None:
-        profile = msgspec.structs.replace(base, acceptance=acceptance, created=now())
+        # the kinds of step sample each kind of point yields
+        yields = {"plain": {"plain"}, "resting": {"resting"}, "select": {"select"},
+                  "cycle": {"draft", "propose", "verify"}}
+        again = set().union(*(yields.get(m, set()) for m in only))
+        samples = [x for x in base.samples if x.kind not in again] + samples
+        if "acceptance" not in only:
+            acceptance = dict(base.acceptance)
+        profile = msgspec.structs.replace(base, samples=tuple(samples), created=now(),
+                                          fits=fit_steps(samples) if again else base.fits,
+                                          acceptance=acceptance)
         path = save_profile(profile, out)
         part.path.unlink(missing_ok=True)
         return profile, path
@@ -191,17 +215,20 @@ def median_step(deltas: list[float]) -> float:
 def cycle_times(log: list[tuple], rows: int, q: int) -> CycleTimes:
     """Step times from the proposer's step log (see KapProposer.step_log) of a run in which all
     `rows` rows draft q-1 tokens per step: a step's verification is the time from the previous
-    call's exit to this call's entry, when the previous call drafted q-1 tokens for every row."""
-    verify, draft, propose = [], [], []
+    call's exit to this call's entry, when the previous call drafted q-1 tokens for every row;
+    the page choice made inside a call's forwards is the cycle's `select`, not its drafts'."""
+    verify, draft, propose, select = [], [], [], []
     for prev, cur in zip(log, log[1:]):
         if prev[3] == rows and prev[4] == q - 1:
             verify.append(cur[0] - prev[1])
     for rec in log:
         if rec[3] == rows and rec[4] == q - 1 and q > 1:
-            draft.append(rec[5] / (q - 1))
+            chose = rec[6] if len(rec) > 6 else 0.0
+            draft.append((rec[5] - chose) / (q - 1))
             propose.append(rec[1] - rec[0] - rec[5])
+            select.append(chose)
     return CycleTimes(draft=median_step(draft), propose=median_step(propose),
-                      verify=median_step(verify))
+                      verify=median_step(verify), select=median_step(select))
 
 
 def acceptance_points(results: list[dict], k: int) -> list[tuple[float, int, float, int]]:
@@ -329,20 +356,25 @@ class ReferenceBench:
     def resting(self, L: int, B: int, steps: int) -> float:
         return self.plain(L, B, steps)  # the executor has one decode path with or without plans
 
-    def cycle(self, L: int, B: int, s: float, q: int, steps: int) -> CycleTimes:
+    def cycle(self, L: int, B: int, s: float, q: int, steps: int,
+              access: str = "static") -> CycleTimes:
         from kapc.lower.kapb import FallbackPolicy
+        from kapc.policy import AccessPolicy
         from kapc.runtime.executor import Request
         from kapc.runtime.planning import plan_from_blocks, spread_blocks
 
         ex = self._executor()
         keep = FallbackPolicy(min_acceptance=0.0, max_retained=1.0)
+        policy = None if access == "static" else AccessPolicy(mode=access, budget=s)
         reqs = [Request(ids, plan=plan_from_blocks(self.m, ids, spread_blocks(L, self.block_size, s),
                                                    block_size=self.block_size, k=q - 1, pays=True,
                                                    fallback=keep),
-                        max_tokens=steps * q, ignore_eos=True) for ids in self._rows(L, B)]
+                        access=policy, max_tokens=steps * q, ignore_eos=True)
+                for ids in self._rows(L, B)]
         _, st = ex.generate(reqs)
-        return CycleTimes(draft=st.proposal_s / max(1, st.draft_forwards), propose=0.0,
-                          verify=st.verify_s / max(1, st.verify_forwards))
+        return CycleTimes(draft=(st.proposal_s - st.select_s) / max(1, st.draft_forwards),
+                          propose=0.0, verify=st.verify_s / max(1, st.verify_forwards),
+                          select=st.select_s / max(1, st.cycles))
 
     def acceptance(self, grid: Grid, context: int) -> dict[str, list[tuple[float, int, float, int]]]:
         from kapc.lower.kapb import decode_plan
@@ -411,7 +443,7 @@ def plot(profile: Profile, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kinds = [k for k in ("plain", "resting", "draft", "propose", "verify") if k in profile.fits]
+    kinds = [k for k in FEATURES if k in profile.fits]
     fig, axes = plt.subplots(1, len(kinds), figsize=(3.2 * len(kinds), 3.2), squeeze=False)
     for ax, kind in zip(axes[0], kinds):
         pts = [(s.seconds * 1e3, profile.seconds(kind, s.batch, s.visible, s.query) * 1e3, s.batch)

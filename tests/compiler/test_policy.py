@@ -12,7 +12,7 @@ import pytest
 from kapc.lower.kapb import CostPrediction, FallbackPolicy, PlanHeader
 from kapc.policy import (AcceptanceMonitor, DraftRow, PolicyError, accepted_prefix, acceptance_rate,
                          admit, engine_blocks, estimated_p, parse_accept, plan_step, predict,
-                         predicted_speedup, step_forecast, tokens_per_cycle, unplanned_step,
+                         predicted_speedup, step_cost, step_forecast, tokens_per_cycle, unplanned_step,
                          visible_tokens)
 from kapc.profile import AcceptanceFit, Profile, StepFit, StepSample, fit_steps, load_profile, save_profile
 
@@ -132,6 +132,35 @@ def test_a_plan_is_priced_against_its_own_engine_without_plans():
                                       profile=prof).speedup
     assert plan_step(faster, [DraftRow(p=0.8, k=4, s=0.1, context=4096)], []) == [0]
     assert step_forecast(faster, [], [4096]) == pytest.approx((0.007, 0.007))
+
+
+def test_query_aware_pages_pay_for_choosing_them_each_cycle():
+    """A dynamic or hybrid plan chooses its pages once per cycle; a profile that measured that
+    (`select`: 2 ms + 1 ms a row + 1 ms per 4096 tokens of a row's prompt) adds it to the cycle,
+    and the compiler and the step policy both see it; a static plan, or a profile without it,
+    does not pay it."""
+    prof = known_profile()
+    chooser = Profile(**{**msgspec.structs.asdict(prof), "fits": {
+        **prof.fits, "select": StepFit(features=("1", "B", "BV"), coef=(0.002, 0.001, 0.001 / 4096),
+                                       rel_error=0, samples=3)}})
+    # k=3 at p 0.8, batch 1: 2.952 tokens per 25 ms cycle, plus 2 + 1 + 1 = 4 ms of page choice
+    assert predict(s=0.1, p=0.8, k=3, batch=1, context=4096, profile=chooser,
+                   chooses_pages=True).speedup == pytest.approx(29.52 / 29)
+    assert predict(s=0.1, p=0.8, k=3, batch=1, context=4096, profile=chooser).speedup == \
+        pytest.approx(29.52 / 25)
+    assert predict(s=0.1, p=0.8, k=3, batch=1, context=4096, profile=prof,
+                   chooses_pages=True).speedup == pytest.approx(29.52 / 25)
+    # in a step, only the rows that draft and choose pay: 2 + 2 * 1 + (4096 + 8192) / 4096 ms
+    rows = [DraftRow(p=0.8, k=3, s=0.1, context=4096, chooses_pages=True),
+            DraftRow(p=0.8, k=3, s=0.1, context=8192, chooses_pages=True),
+            DraftRow(p=0.8, k=3, s=0.1, context=4096),
+            DraftRow(p=0.8, k=0, s=0.1, context=4096, chooses_pages=True)]
+    assert step_cost(chooser, rows, []) - step_cost(prof, rows, []) == pytest.approx(0.007)
+    # k=3 alone: 2.952 tokens in 29 ms, k=4: 3.3616 in 33; 4 ms more per cycle is worth a
+    # longer proposal
+    assert plan_step(chooser, [DraftRow(p=0.8, k=4, s=0.1, context=4096, chooses_pages=True)],
+                     []) == [4]
+    assert plan_step(chooser, [DraftRow(p=0.8, k=4, s=0.1, context=4096)], []) == [3]
 
 
 def test_step_policy_drafts_what_pays_for_the_batch():

@@ -13,7 +13,8 @@ from kapc.runtime.calibrate import Grid, ReferenceBench, calibrate, cycle_times,
 
 pytestmark = pytest.mark.model
 
-TINY = Grid(contexts=(256, 512), batches=(1, 2), pairs=((0.25, 2), (0.5, 3)), steps=3,
+TINY = Grid(contexts=(256, 512), batches=(1, 2), pairs=((0.25, 2), (0.5, 3)), select_pair=(0.25, 3),
+            steps=3,
             acceptance_questions=1, acceptance_contexts=(1024,), budgets=(0.15, 0.5),
             acceptance_tokens=12, rules=("greedy",))
 
@@ -39,14 +40,16 @@ def test_tiny_calibration_gives_a_well_formed_profile(tmp_path):
     profile, path = calibrate(bench, TINY, resume=False, progress=False, out=tmp_path / "p.json")
     assert bench.calls == len(TINY.points())
     assert load_profile(path) == profile
-    assert set(profile.fits) >= {"plain", "resting", "draft", "verify"}
+    assert set(profile.fits) >= {"plain", "resting", "draft", "verify", "select"}
     for fit in profile.fits.values():
         assert all(c >= 0 for c in fit.coef) and fit.samples >= len(fit.features)
     for kind in ("plain", "draft"):
         assert profile.seconds(kind, 2, 512) > 0
     assert profile.seconds("verify", 2, 512, query=3) > 0
     kinds = [s.kind for s in profile.samples]
-    assert kinds.count("plain") == 4 and kinds.count("verify") == 8
+    assert kinds.count("plain") == 4 and kinds.count("verify") == 8 and kinds.count("select") == 4
+    # query-aware page choice costs something, and no less over longer prompts
+    assert 0 < profile.seconds("select", 2, 256) <= profile.seconds("select", 2, 4096)
     fit = profile.acceptance["greedy"]
     assert len(fit.points) == len(TINY.budgets) and 0.0 < fit.p(0.3) < 1.0
     # query-chosen pages are measured too, at the same plans' own s, under their own key
@@ -71,15 +74,27 @@ def test_tiny_calibration_gives_a_well_formed_profile(tmp_path):
     calibrate(again, TINY, resume=True, progress=False, out=tmp_path / "again.json")
     assert again.calls == 0
 
+    # --only select: the page-choice points alone are measured again, the rest is kept
+    partial.unlink(missing_ok=True)
+    once = Counting(bench.bench)
+    redone, _ = calibrate(once, TINY, resume=False, progress=False, out=tmp_path / "only.json",
+                          base=profile, only=("select",))
+    assert once.calls == 4
+    assert [x for x in redone.samples if x.kind != "select"] == \
+        [x for x in profile.samples if x.kind != "select"]
+    assert [x.kind for x in redone.samples].count("select") == 4
+    assert redone.fits["verify"] == profile.fits["verify"]
+    assert redone.acceptance == profile.acceptance
+
 
 def test_cycle_times_read_the_proposer_step_log():
-    # (entered, left, rows, drafting rows, draft forwards, forward seconds): steps of 2 rows,
-    # each call drafting 2 tokens per row in 0.2 s of forwards and 0.05 s of its own work,
-    # each verification taking 0.5 s between calls
+    # (entered, left, rows, drafting rows, draft forwards, forward seconds, page-choice seconds):
+    # steps of 2 rows, each call drafting 2 tokens per row in 0.2 s of forwards (0.04 s of
+    # which choose pages) and 0.05 s of its own work, each verification taking 0.5 s between calls
     log, t = [], 0.0
     for _ in range(8):
-        log.append((t, t + 0.25, 2, 2, 2, 0.2))
+        log.append((t, t + 0.25, 2, 2, 2, 0.2, 0.04))
         t += 0.25 + 0.5
     c = cycle_times(log, rows=2, q=3)
-    assert c.verify == pytest.approx(0.5) and c.draft == pytest.approx(0.1)
-    assert c.propose == pytest.approx(0.05)
+    assert c.verify == pytest.approx(0.5) and c.draft == pytest.approx(0.08)
+    assert c.propose == pytest.approx(0.05) and c.select == pytest.approx(0.04)

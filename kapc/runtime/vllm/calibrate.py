@@ -126,8 +126,10 @@ class VllmBench:
         log = self._step_log(eng)
         return median_step([b[1] - a[1] for a, b in zip(log, log[1:])])
 
-    def cycle(self, L: int, B: int, s: float, q: int, steps: int) -> CycleTimes:
+    def cycle(self, L: int, B: int, s: float, q: int, steps: int,
+              access: str = "static") -> CycleTimes:
         from kapc.lower.kapb import FallbackPolicy
+        from kapc.policy import AccessPolicy
         from kapc.runtime.planning import PlanTarget, plan_from_blocks, spread_blocks
         from kapc.runtime.vllm import generate
 
@@ -138,8 +140,9 @@ class VllmBench:
                                   block_size=self.block_size, k=q - 1, pays=True, fallback=keep)
                  for ids in rows]
         self._step_log(eng)
+        policies = None if access == "static" else [AccessPolicy(mode=access, budget=s)] * B
         generate(eng, rows, plans, max_tokens=steps * q + 4, ignore_eos=True,
-                 honor_predicted_loss=False, min_acceptance=False, k=q - 1)
+                 honor_predicted_loss=False, min_acceptance=False, k=q - 1, access=policies)
         return cycle_times(self._step_log(eng), B, q)
 
     def acceptance(self, grid: Grid, context: int) -> dict[str, list[tuple[float, int, float, int]]]:

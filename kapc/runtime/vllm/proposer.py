@@ -177,10 +177,11 @@ class KapProposer:
         self._key_probe = None
         self._stacked = None  # (rows' tags, KeySummaries) while the same rows draft together
         # One record per engine step, for calibration: (entered, left, rows in the batch, rows
-        # that drafted, draft forwards, seconds inside those forwards). The time from one call's
+        # that drafted, draft forwards, seconds inside those forwards, seconds of those spent
+        # choosing query-aware pages). The time from one call's
         # exit to the next call's entry is the rest of the step (verification forward, sampling,
         # scheduling); the call less its forwards is the proposer's own overhead.
-        self._forward_s = 0.0
+        self._forward_s = self._select_s = 0.0  # this call's forwards, and page choice in them
         self.step_log: deque = deque(maxlen=100_000)
         problems = attention_problems(vllm_config.model_config.hf_config)
         if problems:
@@ -532,7 +533,7 @@ class KapProposer:
             rows.append((row, st, P, blocks, max_steps))
         if self._profile is not None:
             rows = self._plan_step(rows, num_tokens_no_spec, n_rows)
-        self._forward_s = 0.0
+        self._forward_s = self._select_s = 0.0
         if rows:
             drafts = self._draft(rows, token_ids_cpu)
             for (row, st, *_), d in zip(rows, drafts):
@@ -544,7 +545,7 @@ class KapProposer:
         self.timing["propose_s"] += t1 - t0
         self.timing["calls"] += 1
         self.step_log.append((t0, t1, n_rows, len(rows), max((r[4] for r in rows), default=0),
-                              self._forward_s))
+                              self._forward_s, self._select_s))
         return out
 
     def _plan_step(self, rows, num_tokens_no_spec, n_rows):
@@ -554,7 +555,8 @@ class KapProposer:
 
         def as_draft_row(st, P, budget):
             return DraftRow(p=estimated_p(st.prior_p, st.accepted, st.tried), k=budget,
-                            s=st.retained_ratio or 1.0, context=P + 1)
+                            s=st.retained_ratio or 1.0, context=P + 1,
+                            chooses_pages=st.access is not None)
 
         drafting = {r[0] for r in rows}
         forced = [r for r in rows if r[1].forced]
@@ -617,6 +619,7 @@ class KapProposer:
                 drafts[i].append(int(nxt[j]))
                 cur[i] = int(nxt[j])
         if router is not None:
+            self._select_s = router.seconds
             self.timing["select_s"] += router.seconds
             self.timing["select_choices"] += router.choices
         return drafts

@@ -36,8 +36,9 @@ class KapWorkerExtension:
         return p.stats(pop=pop, tag=tag)
 
     def kapc_step_log(self, pop: bool = True) -> list[tuple]:
-        """Per engine step: (entered, left, rows, drafting rows, draft forwards) of the proposer's
-        call; `kapc.runtime.vllm.calibrate` turns them into step times."""
+        """Per engine step: (entered, left, rows, drafting rows, draft forwards, forward seconds,
+        page-choice seconds) of the proposer's call; `kapc.runtime.vllm.calibrate` turns them into
+        step times."""
         p = self._kapc_proposer()
         out = list(p.step_log)
         if pop:
