@@ -102,6 +102,12 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
         return profile_key(self.engine, self.model_fingerprint, self.dtype, self.device,
                            self.threads)
 
+    @property
+    def longest_verify(self) -> int:
+        """The most query tokens per row a verification was timed with (0: none): beyond it the
+        verify model extrapolates."""
+        return max((x.query for x in self.samples if x.kind == "verify"), default=0)
+
     def acceptance_fit(self, rule: str, mode: str = "static") -> AcceptanceFit | None:
         """The acceptance model for plans verified by `rule` whose drafts read pages by access
         `mode`, or None where this profile measured none."""

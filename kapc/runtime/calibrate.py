@@ -40,7 +40,8 @@ CALIBRATION_QUESTIONS = 1000  # first HotpotQA dev index of the calibration spli
 class Grid:
     contexts: tuple[int, ...] = (2048, 4096, 7936)
     batches: tuple[int, ...] = (1, 4, 8, 16)
-    pairs: tuple[tuple[float, int], ...] = ((0.05, 2), (0.1, 3), (0.2, 5), (0.4, 8))
+    # q up to MAX_AUTO_K + 1, so that k=auto never chooses past what was timed
+    pairs: tuple[tuple[float, int], ...] = ((0.05, 2), (0.1, 3), (0.2, 5), (0.4, 9))
     # (s, q) of the query-aware run per (L, B) that times page choice; None: not measured
     select_pair: tuple[float, int] | None = (0.1, 5)
     steps: int = 16  # decode steps (or cycles) timed per point

@@ -116,6 +116,19 @@ def test_profiled_prediction_k_auto_and_break_even():
     assert never.break_even is None and never.speedup < 1
 
 
+def test_k_auto_stays_within_the_verifications_the_profile_timed():
+    """Beyond the longest verification a profile timed, its verify model extrapolates; k=auto
+    does not choose there (an explicit k still predicts)."""
+    prof = known_profile()
+    assert predict(s=0.1, p=0.95, k=None, batch=1, context=4096, profile=prof).k >= 7
+    timed = msgspec.structs.replace(prof, samples=tuple(
+        StepSample("verify", 1, q, 4096, 0.012 + 0.001 * q) for q in (2, 3)))
+    assert timed.longest_verify == 3
+    pred = predict(s=0.1, p=0.95, k=None, batch=1, context=4096, profile=timed)
+    assert pred.k == 2 and pred.by_k[6] > pred.by_k[1]
+    assert predict(s=0.1, p=0.95, k=6, batch=1, context=4096, profile=timed).k == 6
+
+
 def test_a_plan_is_priced_against_its_own_engine_without_plans():
     """kapc's engine decodes unplanned requests on its own attention kernel (`resting`): a plan
     must beat that, not the slower plain engine, so the same cycle predicts less and can lose."""

@@ -15,7 +15,7 @@ from kapc.runtime.calibrate import (CycleTimes, Grid, acceptance_points, access_
                                     build_acceptance_cases, cycle_times, median_step,
                                     timing_prompts)
 
-K_MAX = 7  # the hook engine is started with k = 7: verification of up to q = 8 tokens
+K_MAX = 8  # the hook engine is started with k = 8: verification of up to q = 9 tokens
 
 
 class VllmBench:
