@@ -115,8 +115,10 @@ class Partial:
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
-    def samples(self) -> list[StepSample]:
-        return [StepSample(*s) for rec in self.done.values() for s in rec["samples"]]
+    def samples(self, kinds: tuple[str, ...] | None = None) -> list[StepSample]:
+        """The step samples of the points measured so far (of `kinds` of point only, if given)."""
+        return [StepSample(*s) for rec in self.done.values()
+                if kinds is None or rec["point"][0] in kinds for s in rec["samples"]]
 
     def acceptance_points(self) -> dict[str, list[tuple[float, int, float, int]]]:
         out: dict[str, list] = {}
@@ -178,14 +180,12 @@ def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
                               + f"  ({time.perf_counter() - t0:.0f}s)")
             bar.advance(task)
     bench.close()
-    samples = part.samples()
+    # with a base, a partial file left by an interrupted full run may hold other kinds of point
+    samples = part.samples(None if base is None else only)
     acceptance = {rule: fit for rule, pts in part.acceptance_points().items()
                   if (fit := fit_acceptance(pts)) is not None}
     if base is not None:
-        # the kinds of step sample each kind of point yields
-        yields = {"plain": {"plain"}, "resting": {"resting"}, "select": {"select"},
-                  "cycle": {"draft", "propose", "verify"}}
-        again = set().union(*(yields.get(m, set()) for m in only))
+        again = {x.kind for x in samples}  # the step kinds measured anew replace the base's
         samples = [x for x in base.samples if x.kind not in again] + samples
         if "acceptance" not in only:
             acceptance = dict(base.acceptance)
@@ -224,10 +224,9 @@ def cycle_times(log: list[tuple], rows: int, q: int) -> CycleTimes:
             verify.append(cur[0] - prev[1])
     for rec in log:
         if rec[3] == rows and rec[4] == q - 1 and q > 1:
-            chose = rec[6] if len(rec) > 6 else 0.0
-            draft.append((rec[5] - chose) / (q - 1))
+            draft.append((rec[5] - rec[6]) / (q - 1))
             propose.append(rec[1] - rec[0] - rec[5])
-            select.append(chose)
+            select.append(rec[6])
     return CycleTimes(draft=median_step(draft), propose=median_step(propose),
                       verify=median_step(verify), select=median_step(select))
 

@@ -74,10 +74,13 @@ def test_tiny_calibration_gives_a_well_formed_profile(tmp_path):
     calibrate(again, TINY, resume=True, progress=False, out=tmp_path / "again.json")
     assert again.calls == 0
 
-    # --only select: the page-choice points alone are measured again, the rest is kept
-    partial.unlink(missing_ok=True)
+    # --only select: the page-choice points alone are measured again, the rest is kept, even
+    # where an interrupted full run left other points in the partial file
+    with open(partial, "w") as f:
+        f.write(json.dumps({"point": ["plain", 256, 1, 0.0, 1],
+                            "samples": [["plain", 1, 1, 256, 9.9]]}) + "\n")
     once = Counting(bench.bench)
-    redone, _ = calibrate(once, TINY, resume=False, progress=False, out=tmp_path / "only.json",
+    redone, _ = calibrate(once, TINY, resume=True, progress=False, out=tmp_path / "only.json",
                           base=profile, only=("select",))
     assert once.calls == 4
     assert [x for x in redone.samples if x.kind != "select"] == \
