@@ -340,10 +340,19 @@ def test_query_aware_access_is_lossless_in_vllm(engine, cases, baseline):
     plans = [cases[i].plan for i in idx]
     policies = [AccessPolicy(mode="dynamic", budget=0.3), AccessPolicy(mode="hybrid", budget=0.4),
                 AccessPolicy(mode="dynamic", budget=0.3, proxy="es-mid")]
+    def step_log():
+        return engine.llm.collective_rpc("kapc_step_log", kwargs={"pop": True})[0]
+
     for access in policies:
+        step_log()
         res = generate(engine, [cases[i].ids for i in idx], plans, max_tokens=n,
                        honor_predicted_loss=False, min_acceptance=False, access=access)
         timing = res[0]["timing"]
+        # calibration reads the page choice from the step log, inside the drafts' forwards
+        log = step_log()
+        assert timing["select_s"] > 0
+        assert sum(rec[6] for rec in log) == pytest.approx(timing["select_s"])
+        assert all(rec[6] <= rec[5] for rec in log)
         for i, r in zip(idx, res):
             assert r["tokens"] == baseline[i][:n], (access, i)
             assert r["status"] == "plan" and r["access"] == access.mode and r["proposed"] > 0
@@ -358,9 +367,11 @@ def test_query_aware_access_is_lossless_in_vllm(engine, cases, baseline):
         assert timing["select_choices"] > 0 and timing["select_choices"] % layers == 0
     # the plans are hybrid by default; told to read only its own pages, a request does so
     assert cases[0].plan.header.access.mode == "hybrid"
+    step_log()
     mixed = generate(engine, [cases[0].ids], [cases[0].plan], max_tokens=n,
                      honor_predicted_loss=False, min_acceptance=False, access=AccessPolicy())
     assert mixed[0]["access"] == "static" and mixed[0]["tokens"] == baseline[0][:n]
+    assert all(rec[6] == 0 for rec in step_log())  # static pages: nothing chosen
     assert mixed[0]["retained_ratio"] == pytest.approx(mixed[0]["plan_retained_ratio"], abs=1e-6)
 
 
