@@ -106,17 +106,16 @@ def profiled_speedup(profile, batch: int, context: int, s: float, k: int, p: flo
     draft = profile.seconds("draft", batch, max(1.0, s * context))
     propose = profile.seconds("propose", batch, context) if "propose" in profile.fits else 0.0
     verify = profile.seconds("verify", batch, context, query=k + 1)
-    return tokens_per_cycle(p, k) * plain / (k * draft + propose + verify
-                                             + page_choice(profile, batch if chooses_pages else 0,
-                                                           batch * context))
+    choose = page_choice(profile, batch if chooses_pages else 0, batch * context)
+    return tokens_per_cycle(p, k) * plain / (k * draft + propose + choose + verify)
 
 
 def page_choice(profile, rows: int, tokens: float) -> float:
     """Seconds one cycle spends choosing the pages of `rows` query-aware rows whose prompts hold
     `tokens` tokens together: scoring every prompt block against each layer's query and writing
     the choice into the block table. 0 for no such rows, or a profile that never measured it
-    (`kapc calibrate --only select` adds it); measured at 22 to 65 ms a cycle at 4K x 4 on a
-    2-core CPU, where a draft forward is 120 ms, so a plan's sign can hang on it."""
+    (`kapc calibrate --only select` adds it). Calibrated at 22 to 44 ms a cycle on a 2-core CPU
+    (2K-8K x 1-8), where a draft forward is 80 to 140 ms, so a plan's sign can hang on it."""
     if rows == 0 or "select" not in profile.fits:
         return 0.0
     return profile.seconds_of("select", {"1": 1.0, "B": float(rows), "BV": float(tokens)})
