@@ -249,6 +249,8 @@ def run_rows(eng, label, cases, batches, args, with_plans: bool):
                 forecast = tm.get("forecast_s") or 0.0
                 # the step policy's forecast of what ran (a profile in use), else None
                 row["pred_run"] = tm["plain_forecast_s"] / forecast if forecast else None
+                # the step policy's profile factors at the end (observed over profiled times)
+                row["profile_factors"] = res[0].get("profile_factors")
                 row.update(propose_s=tm.get("propose_s"), select_s=tm.get("select_s"),
                            draft_forwards=tm.get("draft_forwards"),
                            verify_steps=max((r["cycles"] for r in res), default=0) + 1)
@@ -263,6 +265,7 @@ def run_rows(eng, label, cases, batches, args, with_plans: bool):
                  + (f" s={row['s']:.3f} h={row['h']:.2f}; proposer {row['propose_s']:.1f}s in "
                     f"{row['draft_forwards']} draft forwards ({row['select_s'] or 0:.2f}s choosing "
                     f"pages), {row['verify_steps']} engine steps"
+                    + (f"; profile x{row['profile_factors']}" if row["profile_factors"] else "")
                     if with_plans else ""))
     return rows
 

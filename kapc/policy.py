@@ -205,15 +205,10 @@ def step_cost(profile, rows: list[DraftRow], others: list[int]) -> float:
     """Seconds of one engine step in which each of `rows` drafts its k tokens (0: none) and is
     verified, and each of `others` (context) decodes one token."""
     drafting = [r for r in rows if r.k > 0]
-    contexts = [r.context for r in rows] + list(others)
-    B = len(contexts)
-    if not drafting:  # a step of a speculating engine with nothing to verify
-        return unplanned_step(profile, B, sum(contexts) / max(1, B))
-    # verification: the fitted features summed over rows that differ in q and context
-    q = [r.k + 1 for r in rows] + [1] * len(others)
-    verify = profile.seconds_of("verify", {
-        "1": 1.0, "B": float(B), "Bq": float(sum(q)), "BV": float(sum(contexts)),
-        "BqV": float(sum(a * b for a, b in zip(q, contexts)))})
+    verify = engine_step(profile, [r.k + 1 for r in rows] + [1] * len(others),
+                         [r.context for r in rows] + list(others))
+    if not drafting:
+        return verify
     draft = 0.0
     for j in range(max(r.k for r in drafting)):  # draft step j runs the rows still drafting
         live = [r for r in drafting if r.k > j]
@@ -222,6 +217,19 @@ def step_cost(profile, rows: list[DraftRow], others: list[int]) -> float:
     choosing = [r for r in drafting if r.chooses_pages]
     return verify + draft + propose + page_choice(profile, len(choosing),
                                                   sum(r.context for r in choosing))
+
+
+def engine_step(profile, queries: Sequence[int], contexts: Sequence[float]) -> float:
+    """Seconds of the engine's own step (everything but the proposer's call) over rows of
+    `queries` query tokens and `contexts` tokens each: a verification when any row has drafts
+    to check (the fitted features summed over rows that differ in q and context), else a step of
+    the speculating engine at rest."""
+    B = len(contexts)
+    if all(q == 1 for q in queries):
+        return unplanned_step(profile, B, sum(contexts) / max(1, B))
+    return profile.seconds_of("verify", {
+        "1": 1.0, "B": float(B), "Bq": float(sum(queries)), "BV": float(sum(contexts)),
+        "BqV": float(sum(q * v for q, v in zip(queries, contexts)))})
 
 
 def step_forecast(profile, drafting: list[DraftRow], others: list[int]) -> tuple[float, float]:
@@ -262,6 +270,69 @@ def plan_step(profile, rows: list[DraftRow], others: list[int],
             if best_rate is None or rate > best_rate * (1 + 1e-9):
                 best, best_rate = ks, rate
     return best
+
+
+# ---- the profile against the clock -----------------------------------------------------------
+#
+# A profile is a snapshot of a machine that drifts: on this 2-core VM a resting 4K x 4 step took
+# 171 ms at calibration and 107 to 124 ms an hour later, and not every kind moved alike (a draft
+# forward went from 0.69 of a resting step to 0.83), so a plan the snapshot favoured lost (4K x 4
+# top-3: predicted 1.11x, measured 0.82x). The runtime times every step it runs anyway; the
+# step policy decides on the profile scaled by what those times say.
+
+class StepClock:
+    """Observed over predicted seconds per step kind, and the profile scaled by them.
+
+    Each observation's weight falls by `decay` at every engine step (`tick`), so the factors
+    follow the machine within a few dozen steps; a kind shrinks toward its fallback with the
+    weight of `prior` observations, so one slow step moves little. Resting steps are rare where
+    rows always draft, so until they are seen (and when they have not been for a while) they,
+    and plain steps, follow verification's factor: both are full-context forwards of one engine.
+    """
+
+    def __init__(self, profile, decay: float = 0.95, prior: float = 2.0):
+        self.base = profile
+        self.decay, self.prior = float(decay), float(prior)
+        self._sums: dict[str, tuple[float, float, float]] = {}  # kind: (observed, predicted, n)
+        self._scaled = profile
+
+    def tick(self) -> None:
+        """One engine step has passed: older observations weigh less."""
+        d = self.decay
+        self._sums = {k: (o * d, p * d, n * d) for k, (o, p, n) in self._sums.items()}
+        self._scaled = None
+
+    def record(self, kind: str, observed: float, predicted: float) -> None:
+        """A step of `kind` took `observed` seconds where the profile predicted `predicted`.
+        One step counts as at most 4x off the current factor either way, so a pause moves the
+        factor little and a profile far off still converges, by steps."""
+        if predicted <= 0:
+            return
+        f = self.factor(kind)
+        observed = min(max(observed, predicted * f / 4), predicted * f * 4)
+        o, p, n = self._sums.get(kind, (0.0, 0.0, 0.0))
+        self._sums[kind] = (o + observed, p + predicted, n + 1.0)
+        self._scaled = None
+
+    def factor(self, kind: str) -> float:
+        """Observed over predicted seconds for `kind` (1.0: as profiled)."""
+        fallback = self.factor("verify") if kind in ("resting", "plain") else 1.0
+        o, p, n = self._sums.get(kind, (0.0, 0.0, 0.0))
+        if n < 1e-3:
+            return fallback
+        mean = p / n  # the prior's observations are typical ones, at the fallback factor
+        return (o + self.prior * mean * fallback) / (p + self.prior * mean)
+
+    def factors(self) -> dict[str, float]:
+        """Every profiled kind's factor, rounded, for the runtime's statistics."""
+        return {kind: round(self.factor(kind), 4) for kind in self.base.fits}
+
+    @property
+    def profile(self):
+        """The profile with every kind's model scaled by its factor."""
+        if self._scaled is None:
+            self._scaled = self.base.scaled({kind: self.factor(kind) for kind in self.base.fits})
+        return self._scaled
 
 
 # ---- admission ------------------------------------------------------------------------------

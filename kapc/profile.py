@@ -108,6 +108,14 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
         verify model extrapolates."""
         return max((x.query for x in self.samples if x.kind == "verify"), default=0)
 
+    def scaled(self, factors: dict[str, float]) -> Profile:
+        """This profile with each named kind's step model multiplied by its factor (kinds not
+        named keep theirs): the runtime's view of it once it has timed its own steps
+        (kapc.policy.StepClock)."""
+        fits = {kind: msgspec.structs.replace(fit, coef=tuple(c * factors[kind] for c in fit.coef))
+                if kind in factors else fit for kind, fit in self.fits.items()}
+        return msgspec.structs.replace(self, fits=fits)
+
     def acceptance_fit(self, rule: str, mode: str = "static") -> AcceptanceFit | None:
         """The acceptance model for plans verified by `rule` whose drafts read pages by access
         `mode`, or None where this profile measured none."""

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kapc.lower.kapb import CostPrediction, FallbackPolicy, PlanHeader
-from kapc.policy import (AcceptanceMonitor, DraftRow, PolicyError, accepted_prefix, acceptance_rate,
-                         admit, engine_blocks, estimated_p, parse_accept, plan_step, predict,
+from kapc.policy import (AcceptanceMonitor, DraftRow, PolicyError, StepClock, accepted_prefix,
+                         acceptance_rate, admit, engine_blocks, engine_step, estimated_p, parse_accept, plan_step, predict,
                          predicted_speedup, step_cost, step_forecast, tokens_per_cycle, unplanned_step,
                          visible_tokens)
 from kapc.profile import AcceptanceFit, Profile, StepFit, StepSample, fit_steps, load_profile, save_profile
@@ -203,6 +203,52 @@ def test_step_policy_drafts_what_pays_for_the_batch():
     # acceptance estimate: the plan's p worth 16 tries, then what the row shows
     assert estimated_p(0.5, 10, 20) == pytest.approx(18 / 36)
     assert estimated_p(0.9, 0, 0) == 0.9
+
+
+def test_the_step_policy_decides_on_the_step_times_it_measures():
+    """The runtime times its own steps against the profile (a snapshot of a drifting machine)
+    and decides on the profile scaled by what it saw: drafts three times dearer than profiled
+    turn a row that paid (k=3: 2.952 tokens in 25 ms against 1 in 10) into one held."""
+    prof = known_profile()
+    row = DraftRow(p=0.8, k=4, s=0.1, context=4096)
+    # an engine step: verification of every row's q tokens (12 ms + 1 ms per query token), or
+    # resting when no row has drafts to check
+    assert engine_step(prof, [4, 1], [4096, 4096]) == pytest.approx(0.017)
+    assert engine_step(prof, [1, 1], [4096, 4096]) == pytest.approx(0.010)
+    assert prof.scaled({"draft": 2.0}).seconds("draft", 1, 409) == pytest.approx(0.006)
+    assert prof.scaled({"draft": 2.0}).seconds("plain", 1, 4096) == pytest.approx(0.010)
+
+    clock = StepClock(prof, decay=0.95, prior=2.0)
+    assert clock.factors() == {"plain": 1.0, "draft": 1.0, "propose": 1.0, "verify": 1.0}
+    assert plan_step(clock.profile, [row], []) == [3]
+    for _ in range(20):
+        clock.tick()
+        clock.record("draft", 0.009, 0.003)
+    # 20 observations at 3x decayed by 0.95 weigh (1 - 0.95^20) / 0.05 = 12.83, the prior 2 at 1x
+    n = (1 - 0.95 ** 20) / 0.05
+    assert clock.factor("draft") == pytest.approx((3 * n + 2) / (n + 2))
+    assert clock.profile.seconds("draft", 1, 409) == pytest.approx(0.003 * clock.factor("draft"))
+    assert plan_step(clock.profile, [row], []) == [0]
+
+    # resting steps, rare where rows always draft, follow verification's factor until seen
+    clock = StepClock(prof, decay=0.95, prior=2.0)
+    for _ in range(10):
+        clock.record("verify", 0.034, 0.017)
+    assert clock.factor("verify") == pytest.approx((2 * 10 + 2) / 12)
+    assert clock.factor("plain") == clock.factor("resting") == clock.factor("verify")
+    for _ in range(10):
+        clock.record("plain", 0.010, 0.010)
+    assert clock.factor("plain") == pytest.approx((10 + 2 * clock.factor("verify")) / 12)
+    # one step counts as at most 4x off the factor: a pause moves it little
+    paused, slow = StepClock(prof), StepClock(prof)
+    paused.record("verify", 0.017 * 100, 0.017)
+    slow.record("verify", 0.017 * 4, 0.017)
+    assert paused.factor("verify") == slow.factor("verify") == pytest.approx((4 + 2) / 3)
+    # with no new observations the factors return to the profile's
+    for _ in range(400):
+        clock.tick()
+    assert clock.factor("verify") == pytest.approx(1.0, abs=1e-3)
+    assert plan_step(clock.profile, [row], []) == [3]
 
 
 def test_fit_recovers_known_step_times():

@@ -294,7 +294,8 @@ def test_step_policy_drafts_only_what_pays_for_the_batch(engine, cases, baseline
     """With a profile where a verification step costs 50 plain steps, no row drafts; when a row
     run against the cost model's advice drafts anyway, the verification is paid and the other
     row drafts too; with a verification as cheap as a plain step, both draft. Every output stays
-    identical to plain vLLM's."""
+    identical to plain vLLM's. (The profiles are taken as written, `online=False`: the step times
+    this engine measures would correct them.)"""
     from kapc.runtime.vllm import generate
 
     fp = cases[0].plan.header.model_fingerprint
@@ -310,7 +311,7 @@ def test_step_policy_drafts_only_what_pays_for_the_batch(engine, cases, baseline
         return res
 
     try:
-        key = engine.use_profile(costly)
+        key = engine.use_profile(costly, online=False)
         assert key == f"vllm-cpu-{fp.removeprefix('sha256:')[:12]}-float32-cpu-t2"
         res = run()
         assert res[0]["policy"] == f"step policy, profile {key}"
@@ -318,12 +319,38 @@ def test_step_policy_drafts_only_what_pays_for_the_batch(engine, cases, baseline
         res = run(honor=[True, False])
         assert res[1]["proposed"] > 0 and res[1]["held"] == 0
         assert res[0]["proposed"] > 0
-        engine.use_profile(cheap)
+        engine.use_profile(cheap, online=False)
         assert all(r["proposed"] > 0 and r["held"] == 0 for r in run())
     finally:
         engine.use_profile("none")
     res = generate(engine, [cases[0].ids], [cases[0].plan], max_tokens=8)
     assert res[0]["policy"] == "each plan's own rules"
+
+
+def test_step_policy_scales_the_profile_by_the_steps_it_times(engine, cases, baseline, tmp_path):
+    """Online (the default), the hook times its draft forwards and verification steps against
+    the profile and decides on the profile scaled by them: a profile pricing a draft forward at
+    1 ms and a verification at 10 ms a row (real ones take tens of ms here) is scaled up, the
+    statistics say by how much, and outputs stay identical."""
+    from kapc.runtime.vllm import generate
+
+    cheap = _write_profile(tmp_path / "cheap.json", cases[0].plan.header.model_fingerprint,
+                           verify_s=0.0)
+    pair = [cases[0], cases[1]]
+    try:
+        engine.use_profile(cheap)
+        res = generate(engine, [c.ids for c in pair], [c.plan for c in pair],
+                       max_tokens=NEW_TOKENS, honor_predicted_loss=False)
+    finally:
+        engine.use_profile("none")
+    assert [r["tokens"] for r in res] == baseline[:2]
+    factors = res[0]["profile_factors"]
+    assert set(factors) == {"plain", "draft", "verify"}
+    assert factors["draft"] > 2 and factors["verify"] > 1.5, factors
+    # plain (resting) steps follow verification until seen
+    assert factors["plain"] > 1.5, factors
+    assert generate(engine, [cases[0].ids], [cases[0].plan],
+                    max_tokens=4)[0]["profile_factors"] is None
 
 
 def test_query_aware_access_is_lossless_in_vllm(engine, cases, baseline):

@@ -111,13 +111,16 @@ class KapEngine:
             return {"requests": {}, "timing": {}}
         return self.llm.collective_rpc("kapc_stats", kwargs={"pop": pop})[0]
 
-    def use_profile(self, source: str = "auto") -> str | None:
+    def use_profile(self, source: str = "auto", online: bool = True) -> str | None:
         """The calibration profile the hook decides each step with: "auto" (this machine's
         profile for the model, found at start), "none" (each plan's own rules only) or a profile
-        file's path. Returns the profile's key, or None."""
+        file's path. `online` (the default): the hook scales the profile by the step times it
+        measures (kapc.policy.StepClock); off, the profile's figures decide as written. Returns
+        the profile's key, or None."""
         if not self.hook:
             raise ValueError("this engine runs without kapc's hook")
-        return self.llm.collective_rpc("kapc_use_profile", kwargs={"source": str(source)})[0]
+        return self.llm.collective_rpc("kapc_use_profile",
+                                       kwargs={"source": str(source), "online": bool(online)})[0]
 
     def close(self) -> None:
         """Shut the engine's processes down (the LLM object is unusable afterwards)."""
@@ -311,6 +314,7 @@ def generate(engine: KapEngine, prompts_token_ids, plans=None, max_tokens: int =
     if results:
         results[0]["timing"] = stats.get("timing", {})
         results[0]["policy"] = stats.get("policy")
+        results[0]["profile_factors"] = stats.get("profile_factors")
         results[0]["attention_kernel"] = stats.get("attention_kernel")
     return results
 

@@ -155,6 +155,12 @@ class KapProposer:
         self._runner = None
         self._layout: compat.AttentionLayout | None = None
         self._profile = None
+        # the profile scaled by the step times this engine measures (kapc.policy.StepClock):
+        # what the step policy decides with; None without a profile or with online=False
+        self._clock = None
+        # the engine step after this call, as far as the call knows it: (left, request ids,
+        # query tokens, context tokens per row), to time against the profile at the next call
+        self._pending = None
         self._fingerprint: str | None | bool = False  # False: not computed yet; None: failed
         self._fingerprint_error = ""
         self.states: dict[str, _ReqState] = {}  # by vLLM request id
@@ -182,6 +188,8 @@ class KapProposer:
         # exit to the next call's entry is the rest of the step (verification forward, sampling,
         # scheduling); the call less its forwards is the proposer's own overhead.
         self._forward_s = self._select_s = 0.0  # this call's forwards, and page choice in them
+        # what the profile expected of them (timed against it when the step policy is online)
+        self._draft_predicted = self._select_predicted = 0.0
         self.step_log: deque = deque(maxlen=100_000)
         problems = attention_problems(vllm_config.model_config.hf_config)
         if problems:
@@ -229,7 +237,7 @@ class KapProposer:
         if self._layout is None:
             self._layout = compat.attention_layout(runner)
             self.block_size = self._layout.block_size
-            self._profile = self._find_profile(runner)
+            self._set_profile(self._find_profile(runner))
             if self._profile is None:
                 log.warning("kapc: no calibration profile for %s and this model on this "
                             "machine: each plan's compile-time prediction (the paper's "
@@ -302,23 +310,32 @@ class KapProposer:
         except KapcError:
             return None
 
-    def use_profile(self, source: str = "auto") -> str | None:
+    def use_profile(self, source: str = "auto", online: bool = True) -> str | None:
         """Decide steps with a profile: "auto" (this machine's calibration for the model, if
         any), "none" (each plan's own rules only) or a profile file's path, which must be for
-        this model. Returns the profile's key, or None. Applies to requests admitted from now."""
+        this model. `online`: scale the profile by the step times this engine measures
+        (kapc.policy.StepClock); off, its figures decide as written. Returns the profile's key,
+        or None. Applies to requests admitted from now."""
         from kapc.profile import ProfileError, load_profile
 
         if source == "none":
-            self._profile = None
+            profile = None
         elif source == "auto":
-            self._profile = self._find_profile(self._runner)
+            profile = self._find_profile(self._runner)
         else:
             profile = load_profile(source)
             if profile.model_fingerprint != self._model_fingerprint():
                 raise ProfileError(f"{source}: profile calibrated for model {profile.model}, "
                                    f"not this engine's; run kapc calibrate for it")
-            self._profile = profile
+        self._set_profile(profile, online)
         return self._profile.key if self._profile is not None else None
+
+    def _set_profile(self, profile, online: bool = True) -> None:
+        from kapc.policy import StepClock
+
+        self._profile = profile
+        self._clock = StepClock(profile) if profile is not None and online else None
+        self._pending = None
 
     def _model_fingerprint(self) -> str:
         """The engine model's fingerprint, as the compiler computes it. Raises `PlanMismatch` with
@@ -492,7 +509,8 @@ class KapProposer:
         res = {"requests": out, "timing": dict(self.timing), "live": len(self.states),
                "attention_kernel": self.attention_kernel,
                "policy": f"step policy, profile {self._profile.key}" if self._profile is not None
-               else "each plan's own rules"}
+               else "each plan's own rules",
+               "profile_factors": self._clock.factors() if self._clock is not None else None}
         if pop:
             self.finished.clear()
             self.timing = {k: 0 if isinstance(v, int) else 0.0 for k, v in self.timing.items()}
@@ -531,9 +549,12 @@ class KapProposer:
             if max_steps < 1:
                 continue
             rows.append((row, st, P, blocks, max_steps))
+        if self._clock is not None:
+            self._time_engine_step(t0, req_ids[:n_rows], sampled_token_ids)
         if self._profile is not None:
             rows = self._plan_step(rows, num_tokens_no_spec, n_rows)
         self._forward_s = self._select_s = 0.0
+        self._draft_predicted = self._select_predicted = 0.0
         if rows:
             drafts = self._draft(rows, token_ids_cpu)
             for (row, st, *_), d in zip(rows, drafts):
@@ -541,12 +562,38 @@ class KapProposer:
                 st.last_drafted = len(d)
                 st.proposed += len(d)
                 st.cycles += 1
+            if self._clock is not None:
+                self._clock.record("draft", self._forward_s - self._select_s,
+                                   self._draft_predicted)
+                self._clock.record("select", self._select_s, self._select_predicted)
         t1 = time.perf_counter()
+        if self._clock is not None:
+            if rows and "propose" in self._profile.fits:  # the call less its forwards
+                self._clock.record("propose", t1 - t0 - self._forward_s,
+                                   self._profile.seconds("propose", len(rows), 0))
+            self._pending = (t1, tuple(req_ids[:n_rows]), [len(d) + 1 for d in out],
+                             [int(num_tokens_no_spec[row]) for row in range(n_rows)])
         self.timing["propose_s"] += t1 - t0
         self.timing["calls"] += 1
         self.step_log.append((t0, t1, n_rows, len(rows), max((r[4] for r in rows), default=0),
                               self._forward_s, self._select_s))
         return out
+
+    def _time_engine_step(self, entered: float, req_ids, sampled_token_ids) -> None:
+        """Time the engine step since the last call (verification or resting) against the
+        profile, when it ran just the rows that call left it: a step that also prefilled a new
+        request, or lost one, is another kind of step."""
+        from kapc.policy import engine_step
+
+        pending, self._pending = self._pending, None
+        self._clock.tick()
+        if pending is None or tuple(req_ids) != pending[1] \
+                or not all(len(t) for t in sampled_token_ids):
+            return
+        left, _, queries, contexts = pending
+        kind = "verify" if any(q > 1 for q in queries) \
+            else "resting" if "resting" in self._profile.fits else "plain"
+        self._clock.record(kind, entered - left, engine_step(self._profile, queries, contexts))
 
     def _plan_step(self, rows, num_tokens_no_spec, n_rows):
         """Keep, and cap the drafts of, the rows whose drafting pays for the whole batch this
@@ -562,7 +609,8 @@ class KapProposer:
         forced = [r for r in rows if r[1].forced]
         free = [r for r in rows if not r[1].forced]
         others = [int(num_tokens_no_spec[row]) for row in range(n_rows) if row not in drafting]
-        ks = plan_step(self._profile, [as_draft_row(st, P, b) for _, st, P, _, b in free], others,
+        decide = self._clock.profile if self._clock is not None else self._profile
+        ks = plan_step(decide, [as_draft_row(st, P, b) for _, st, P, _, b in free], others,
                        fixed=[as_draft_row(st, P, b) for _, st, P, _, b in forced])
         kept = list(forced)
         for (row, st, P, blocks, budget), k in zip(free, ks):
@@ -587,6 +635,11 @@ class KapProposer:
         live = list(range(len(rows)))
         dyn = [i for i, r in enumerate(rows) if r[1].access is not None]
         router = self._table_router([rows[i] for i in dyn]) if dyn else None
+        if self._clock is not None and dyn:
+            from kapc.policy import page_choice
+
+            self._select_predicted = page_choice(self._profile, len(dyn),
+                                                 sum(rows[i][2] + 1 for i in dyn))
         for step in range(max(r[4] for r in rows)):
             live = [i for i in live if rows[i][4] > step]
             if not live:
@@ -613,6 +666,9 @@ class KapProposer:
                 self._check_key_layout(views[0][2])
             nxt = logits.argmax(dim=-1).tolist()
             self._forward_s += time.perf_counter() - tf
+            if self._clock is not None:
+                self._draft_predicted += self._profile.seconds(
+                    "draft", len(views), sum(v[1] for v in views) / len(views))
             self.timing["draft_forwards"] += 1
             self.timing["draft_rows"] += len(live)
             for j, i in enumerate(live):

@@ -23,9 +23,10 @@ class KapWorkerExtension:
         return {"k": p.k, "block_size": p.block_size, "layers": len(p._layout.layer_names),
                 "device": str(self.model_runner.device)}
 
-    def kapc_use_profile(self, source: str = "auto") -> str | None:
-        """Choose the step policy's profile ("auto", "none" or a path); returns its key."""
-        return self._kapc_proposer().use_profile(source)
+    def kapc_use_profile(self, source: str = "auto", online: bool = True) -> str | None:
+        """Choose the step policy's profile ("auto", "none" or a path), scaled by measured step
+        times unless `online` is False; returns its key."""
+        return self._kapc_proposer().use_profile(source, online)
 
     def kapc_stats(self, pop: bool = False, tag: str | None = None) -> dict:
         """Per-request proposal statistics (by tag; only `tag`'s when given) and proposer
