@@ -190,7 +190,7 @@ def fit_steps(samples: list[StepSample]) -> dict[str, StepFit]:
 
 def fit_acceptance(points: list[tuple[float, int, float, int]]) -> AcceptanceFit | None:
     """logit p = a + b log s + c log(L/4096), weighted by the drafts behind each (s, L, p, n)
-    point; c only when more than one context length was measured."""
+    point; c only when contexts 1.5x apart or more were measured."""
     pts = [(s, L, p, n) for s, L, p, n in points if 0 < s <= 1 and n > 0 and L > 0]
     if len({round(s, 3) for s, _, _, _ in pts}) < 2:
         return None
@@ -198,7 +198,11 @@ def fit_acceptance(points: list[tuple[float, int, float, int]]) -> AcceptanceFit
     logit = [math.log(min(max(p, eps), 1 - eps) / (1 - min(max(p, eps), 1 - eps)))
              for _, _, p, _ in pts]
     cols = [np.ones(len(pts)), np.array([math.log(s) for s, _, _, _ in pts])]
-    with_l = len({L for _, L, _, _ in pts}) > 1
+    # a context term only across context lengths: prompts of one nominal length differ by a few
+    # percent, from which a slope extrapolates to nonsense (top-3 p at 8K fitted as 0.00 from
+    # 3910..4090-token prompts alone)
+    lengths = [L for _, L, _, _ in pts]
+    with_l = max(lengths) >= 1.5 * min(lengths)
     if with_l:
         cols.append(np.array([math.log(L / 4096) for _, L, _, _ in pts]))
     w = np.sqrt(np.array([n for *_, n in pts], dtype=np.float64))

@@ -14,7 +14,8 @@ from kapc.policy import (AcceptanceMonitor, DraftRow, PolicyError, StepClock, ac
                          acceptance_rate, admit, engine_blocks, engine_step, estimated_p, parse_accept, plan_step, predict,
                          predicted_speedup, step_cost, step_forecast, tokens_per_cycle, unplanned_step,
                          visible_tokens)
-from kapc.profile import AcceptanceFit, Profile, StepFit, StepSample, fit_steps, load_profile, save_profile
+from kapc.profile import (AcceptanceFit, Profile, StepFit, StepSample, fit_acceptance, fit_steps,
+                          load_profile, save_profile)
 
 
 def test_acceptance_rules():
@@ -249,6 +250,18 @@ def test_the_step_policy_decides_on_the_step_times_it_measures():
         clock.tick()
     assert clock.factor("verify") == pytest.approx(1.0, abs=1e-3)
     assert plan_step(clock.profile, [row], []) == [3]
+
+
+def test_acceptance_fit_has_a_context_term_only_across_context_lengths():
+    """Prompts of one nominal length differ by a few percent; a slope fitted across them
+    extrapolates to nonsense (top-3 p at 8K once fitted as 0.00 from 3910..4090-token prompts),
+    so the context term needs lengths 1.5x apart."""
+    near = fit_acceptance([(0.1, 3910, 0.99, 100), (0.2, 3910, 0.99, 100),
+                           (0.1, 4090, 0.95, 100), (0.2, 4090, 0.97, 100)])
+    assert near.c == 0.0 and near.p(0.1, 8192) == near.p(0.1, 4096) > 0.9
+    apart = fit_acceptance([(0.1, 4096, 0.95, 100), (0.2, 4096, 0.97, 100),
+                            (0.1, 8192, 0.90, 100), (0.2, 8192, 0.93, 100)])
+    assert apart.c < 0 and apart.p(0.1, 8192) == pytest.approx(0.90, abs=0.01)
 
 
 def test_fit_recovers_known_step_times():
