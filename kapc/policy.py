@@ -7,6 +7,8 @@ cost model predict" have one answer.
 - admission: `admit` decides, before decoding, whether a request runs its plan or decodes with
   the full context, and says why;
 - monitoring: `AcceptanceMonitor` falls back when observed acceptance stays low;
+- the step policy: `plan_step` decides which rows draft each step, on the profile as
+  `StepClock` scales it by the step times the runtime measures;
 - block sizes: `engine_blocks` maps a plan's pages onto an engine with another block size.
 
 Pure Python and numpy: no torch, no vLLM.
