@@ -41,6 +41,14 @@ def test_draft_budget_stays_in_allocated_blocks_and_the_model():
     assert draft_budget(4, 3, BS, 13, 100) < 1  # no allocated slot left: no drafts
 
 
+def test_draft_budget_stops_at_the_last_token_the_request_may_emit():
+    # a 10-token prompt with max_tokens 6 ends holding 16 tokens, the last at position 15
+    assert draft_budget(4, 4, BS, 10, 100, end_tokens=16) == 4  # drafts 11..14, bonus 15
+    assert draft_budget(4, 4, BS, 12, 100, end_tokens=16) == 2  # drafts 13, 14, bonus 15
+    assert draft_budget(4, 4, BS, 14, 100, end_tokens=16) == 0  # one token left: no drafts
+    assert draft_budget(4, 4, BS, 10, 100, end_tokens=None) == 4
+
+
 def test_acceptance_bookkeeping():
     assert [accepted_of(4, n) for n in (0, 1, 3, 5, 9)] == [0, 0, 2, 4, 4]
     st = _ReqState(tag="t", status="plan", k=4, per_pos=[0] * 4,

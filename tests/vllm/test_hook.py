@@ -353,6 +353,18 @@ def test_step_policy_scales_the_profile_by_the_steps_it_times(engine, cases, bas
                     max_tokens=4)[0]["profile_factors"] is None
 
 
+def test_no_drafts_past_the_last_token_a_request_may_emit(engine, cases, baseline):
+    """A cycle of d drafts emits at most d + 1 tokens: with max_tokens 3, the prefill emits one,
+    and the one cycle left needs one draft, not the plan's k = 4."""
+    from kapc.runtime.vllm import generate
+
+    res = generate(engine, [cases[0].ids], [cases[0].plan], max_tokens=3,
+                   honor_predicted_loss=False)
+    assert res[0]["tokens"] == baseline[0][:3]
+    assert res[0]["status"] == "plan" and res[0]["k"] == 4
+    assert res[0]["timing"]["draft_forwards"] == 1
+
+
 def test_query_aware_access_is_lossless_in_vllm(engine, cases, baseline):
     """Dynamic and hybrid views in vLLM: each layer's pages are chosen from its own query (a
     pre-hook on vLLM's attention modules edits the block table per layer); a batch mixing them

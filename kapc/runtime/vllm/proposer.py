@@ -92,6 +92,9 @@ class _ReqState:
     note: str | None = None  # what the hook adapted (another block size), not a fallback
     plan_name: str | None = None
     prompt_tokens: int = 0
+    # tokens the request holds when max_tokens stops it (None: no limit known): drafts past the
+    # last token it may emit are forwards spent for nothing
+    end_tokens: int | None = None
     selected: np.ndarray | None = None  # selected full prompt blocks (tail excluded)
     tail_block: int = 0
     visible_prompt_tokens: int = 0
@@ -364,6 +367,9 @@ class KapProposer:
         extra = (req.sampling_params.extra_args or {}) if req.sampling_params else {}
         tag = str(extra.get(TAG_KEY, req_id))
         st = _ReqState(tag=tag, status="none", prompt_tokens=len(req.prompt_token_ids or ()))
+        max_tokens = getattr(req.sampling_params, "max_tokens", None)
+        if max_tokens is not None:
+            st.end_tokens = st.prompt_tokens + int(max_tokens)
         data = extra.get(PLAN_KEY)
         if data is not None:
             st.source = "kapb"
@@ -545,7 +551,7 @@ class KapProposer:
             if P < st.prompt_tokens:
                 continue
             blocks = req.block_ids[0]
-            max_steps = draft_budget(st.k, len(blocks), bs, P, self.max_model_len)
+            max_steps = draft_budget(st.k, len(blocks), bs, P, self.max_model_len, st.end_tokens)
             if max_steps < 1:
                 continue
             rows.append((row, st, P, blocks, max_steps))
@@ -749,11 +755,16 @@ def view_blocks(st: _ReqState) -> np.ndarray:
 
 
 def draft_budget(k: int, allocated_blocks: int, block_size: int, position: int,
-                 max_model_len: int) -> int:
+                 max_model_len: int, end_tokens: int | None = None) -> int:
     """How many drafts a row may write from `position` (its newest token): draft j writes
     position+j, which must lie in the request's allocated blocks (never a stale table entry)
-    and within the model's length."""
-    return min(k, allocated_blocks * block_size - position, max_model_len - 1 - position)
+    and within the model's length. A cycle of d drafts emits at most d + 1 tokens, so a request
+    that stops at `end_tokens` tokens (prompt + max_tokens) needs none past the one before its
+    last: at 128 output tokens and k = 7, the last cycle drafted up to 6 tokens never emitted."""
+    budget = min(k, allocated_blocks * block_size - position, max_model_len - 1 - position)
+    if end_tokens is not None:
+        budget = min(budget, end_tokens - 2 - position)
+    return budget
 
 
 def record_verification(st: _ReqState, sampled: int) -> None:
