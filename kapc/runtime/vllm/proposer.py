@@ -175,7 +175,7 @@ class KapProposer:
         # select_s / select_choices: query-aware page choice (dynamic and hybrid access)
         self.timing = {"propose_s": 0.0, "draft_forwards": 0, "draft_rows": 0, "calls": 0,
                        "forecast_s": 0.0, "plain_forecast_s": 0.0, "select_s": 0.0,
-                       "select_choices": 0, "kernel_steps": 0}
+                       "select_choices": 0, "kernel_steps": 0, "rest_samples": 0}
         # the attention kernel of decode, draft and verification forwards ("kapc's", or "vLLM's:"
         # and why not kapc's)
         self.attention_kernel = "not yet known (set at the first proposal)"
@@ -589,7 +589,7 @@ class KapProposer:
         """Time the engine step since the last call (verification or resting) against the
         profile, when it ran just the rows that call left it: a step that also prefilled a new
         request, or lost one, is another kind of step."""
-        from kapc.policy import engine_step
+        from kapc.policy import engine_step, resting_kind
 
         pending, self._pending = self._pending, None
         self._clock.tick()
@@ -597,14 +597,13 @@ class KapProposer:
                 or not all(len(t) for t in sampled_token_ids):
             return
         left, _, queries, contexts = pending
-        kind = "verify" if any(q > 1 for q in queries) \
-            else "resting" if "resting" in self._profile.fits else "plain"
+        kind = "verify" if any(q > 1 for q in queries) else resting_kind(self._profile)
         self._clock.record(kind, entered - left, engine_step(self._profile, queries, contexts))
 
     def _plan_step(self, rows, num_tokens_no_spec, n_rows):
         """Keep, and cap the drafts of, the rows whose drafting pays for the whole batch this
         step (kapc.policy.plan_step, from the profile and each row's observed acceptance)."""
-        from kapc.policy import DraftRow, estimated_p, plan_step, step_forecast
+        from kapc.policy import DraftRow, estimated_p, plan_step, resting_kind, step_forecast
 
         def as_draft_row(st, P, budget):
             return DraftRow(p=estimated_p(st.prior_p, st.accepted, st.tried), k=budget,
@@ -618,6 +617,10 @@ class KapProposer:
         decide = self._clock.profile if self._clock is not None else self._profile
         ks = plan_step(decide, [as_draft_row(st, P, b) for _, st, P, _, b in free], others,
                        fixed=[as_draft_row(st, P, b) for _, st, P, _, b in forced])
+        if self._clock is not None and not forced and any(ks) \
+                and self._clock.wants_sample(resting_kind(self._profile)):
+            ks = [0] * len(ks)  # one step at rest, timed: what drafting is weighed against
+            self.timing["rest_samples"] += 1
         kept = list(forced)
         for (row, st, P, blocks, budget), k in zip(free, ks):
             if k > 0:
