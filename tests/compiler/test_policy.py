@@ -287,6 +287,31 @@ def test_the_clock_asks_for_a_resting_step_it_has_not_seen_for_a_while():
     assert clock.wants_sample("plain")
 
 
+def test_the_clock_compares_what_steps_with_and_without_drafts_delivered():
+    """The forecast can favour drafting where the engine's steps say otherwise; the clock keeps
+    tokens over seconds of whole steps with drafts and without, decayed like the factors."""
+    clock = StepClock(known_profile())
+    assert clock.drafting_pays() is None  # nothing seen
+    for _ in range(10):
+        clock.tick()
+        clock.record_step(True, 5, 0.060)  # 83 tokens/s while drafting
+    assert clock.drafting_pays() is None  # no resting step seen yet
+    clock.tick()
+    clock.record_step(False, 1, 0.010)  # 100 tokens/s at rest
+    assert clock.drafting_pays() is False
+    # recent cycles weigh more: 5 at 133 tokens/s after the 10 at 83, each decayed by 0.95 a
+    # step, make 62.4 tokens in 0.594 s: 105 tokens/s against rest's 100
+    for _ in range(5):
+        clock.tick()
+        clock.record_step(True, 8, 0.060)
+    clock.tick()
+    clock.record_step(False, 1, 0.010)
+    assert clock.drafting_pays() is True
+    for _ in range(20):  # the resting steps fade below one step's weight
+        clock.tick()
+    assert clock.drafting_pays() is None
+
+
 def test_acceptance_fit_has_a_context_term_only_across_context_lengths():
     """Prompts of one nominal length differ by a few percent; a slope fitted across them
     extrapolates to nonsense (top-3 p at 8K once fitted as 0.00 from 3910..4090-token prompts),

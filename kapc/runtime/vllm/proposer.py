@@ -175,7 +175,8 @@ class KapProposer:
         # select_s / select_choices: query-aware page choice (dynamic and hybrid access)
         self.timing = {"propose_s": 0.0, "draft_forwards": 0, "draft_rows": 0, "calls": 0,
                        "forecast_s": 0.0, "plain_forecast_s": 0.0, "select_s": 0.0,
-                       "select_choices": 0, "kernel_steps": 0, "rest_samples": 0}
+                       "select_choices": 0, "kernel_steps": 0, "rest_samples": 0,
+                       "held_by_rate": 0}
         # the attention kernel of decode, draft and verification forwards ("kapc's", or "vLLM's:"
         # and why not kapc's)
         self.attention_kernel = "not yet known (set at the first proposal)"
@@ -577,7 +578,7 @@ class KapProposer:
             if rows and "propose" in self._profile.fits:  # the call less its forwards
                 self._clock.record("propose", t1 - t0 - self._forward_s,
                                    self._profile.seconds("propose", len(rows), 0))
-            self._pending = (t1, tuple(req_ids[:n_rows]), [len(d) + 1 for d in out],
+            self._pending = (t0, t1, tuple(req_ids[:n_rows]), [len(d) + 1 for d in out],
                              [int(num_tokens_no_spec[row]) for row in range(n_rows)])
         self.timing["propose_s"] += t1 - t0
         self.timing["calls"] += 1
@@ -587,18 +588,21 @@ class KapProposer:
 
     def _time_engine_step(self, entered: float, req_ids, sampled_token_ids) -> None:
         """Time the engine step since the last call (verification or resting) against the
-        profile, when it ran just the rows that call left it: a step that also prefilled a new
-        request, or lost one, is another kind of step."""
+        profile, and the whole step since that call's entry against the tokens it emitted, when
+        it ran just the rows that call left it: a step that also prefilled a new request, or
+        lost one, is another kind of step."""
         from kapc.policy import engine_step, resting_kind
 
         pending, self._pending = self._pending, None
         self._clock.tick()
-        if pending is None or tuple(req_ids) != pending[1] \
+        if pending is None or tuple(req_ids) != pending[2] \
                 or not all(len(t) for t in sampled_token_ids):
             return
-        left, _, queries, contexts = pending
-        kind = "verify" if any(q > 1 for q in queries) else resting_kind(self._profile)
+        called, left, _, queries, contexts = pending
+        drafted = any(q > 1 for q in queries)
+        kind = "verify" if drafted else resting_kind(self._profile)
         self._clock.record(kind, entered - left, engine_step(self._profile, queries, contexts))
+        self._clock.record_step(drafted, sum(len(t) for t in sampled_token_ids), entered - called)
 
     def _plan_step(self, rows, num_tokens_no_spec, n_rows):
         """Keep, and cap the drafts of, the rows whose drafting pays for the whole batch this
@@ -617,10 +621,15 @@ class KapProposer:
         decide = self._clock.profile if self._clock is not None else self._profile
         ks = plan_step(decide, [as_draft_row(st, P, b) for _, st, P, _, b in free], others,
                        fixed=[as_draft_row(st, P, b) for _, st, P, _, b in forced])
-        if self._clock is not None and not forced and any(ks) \
-                and self._clock.wants_sample(resting_kind(self._profile)):
-            ks = [0] * len(ks)  # one step at rest, timed: what drafting is weighed against
-            self.timing["rest_samples"] += 1
+        if self._clock is not None and not forced and any(ks):
+            if self._clock.wants_sample(resting_kind(self._profile)):
+                ks = [0] * len(ks)  # one step at rest, timed: what drafting is weighed against
+                self.timing["rest_samples"] += 1
+            elif self._clock.drafting_pays() is False:
+                # the forecast favours drafting, the steps lately did not: rest until the
+                # drafting steps' weight fades (about 30 steps), then the forecast tries again
+                ks = [0] * len(ks)
+                self.timing["held_by_rate"] += 1
         kept = list(forced)
         for (row, st, P, blocks, budget), k in zip(free, ks):
             if k > 0:
