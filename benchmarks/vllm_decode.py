@@ -11,7 +11,11 @@ A context's prompts stop short of the model's position limit less the output and
 
 Per (context, batch) every prompt is prefilled once before timing (prefix caching on; each
 engine warms its own cache), so the timed run measures decoding: output tokens / wall seconds
-of one `LLM.generate` call with `ignore_eos`. Rows:
+of one `LLM.generate` call with `ignore_eos`. Every engine is up at once, each in a process of
+its own, and each (context, batch) runs on all of them in turn, so that a ratio compares runs a
+minute apart (`--interleave`, the default: this VM's speed drifts by 20% within a quarter of an
+hour; each engine holds its KV cache, about 6 GiB at 8K x 8, so `--no-interleave` runs them one
+after another where memory is short). Rows:
 
 - `full`: plain vLLM, no speculative decoding (the baseline; ratio 1);
 - `kapc-none`: kapc's engine with requests that carry no plan: plain decoding on kapc's attention
@@ -195,6 +199,51 @@ def measure_engine(kind, labels, cases, batches, args) -> list[dict]:
         eng.close()
 
 
+# --interleave: every engine stays up in a process of its own and each (context, batch) runs on
+# all of them in turn, so a plan and plain vLLM are timed a minute apart, not a quarter of an
+# hour: on this 2-core VM plain vLLM's 4K x 1 ran 9.22 tok/s at 15:30 and kapc's engine without
+# plans 7.48 at 15:45, where the same two had measured 1.10x apart the session before.
+_engine = None
+_cases = None
+
+
+def _open_engine(kind, cases, batches, args) -> None:
+    global _engine, _cases
+    _engine, _cases = start_engine(kind, cases, batches, args), cases
+
+
+def _engine_rows(labels, context, batch, args) -> list[dict]:
+    return [r for m in labels for r in run_rows(_engine, m, {context: _cases[context]}, [batch],
+                                                 args, with_plans=has_plans(m))]
+
+
+def _close_engine() -> None:
+    _engine.close()
+
+
+class EngineProcess:
+    """One engine in a process of its own (a fresh process per engine: vLLM-CPU rebinds its
+    kernel overrides at every engine start, and the fourth start in one process failed), kept
+    up across rows."""
+
+    def __init__(self, kind, cases, batches, args):
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.kind = kind
+        self.pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
+        self.pool.submit(_open_engine, kind, cases, batches, args).result()
+
+    def rows(self, labels, context, batch, args) -> list[dict]:
+        return self.pool.submit(_engine_rows, labels, context, batch, args).result()
+
+    def close(self) -> None:
+        try:
+            self.pool.submit(_close_engine).result()
+        finally:
+            self.pool.shutdown()
+
+
 def has_plans(method: str) -> bool:
     return method.startswith("kapc") and method != "kapc-none"
 
@@ -293,6 +342,11 @@ def main(argv=None):
     ap.add_argument("--baseline", choices=("plain", "shared"), default="plain")
     ap.add_argument("--in-process", action=argparse.BooleanOptionalAction, default=None,
                     help="engine core and worker in this process (default: vLLM's choice)")
+    ap.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
+                    help="keep every engine up at once and run each (context, batch) on all of "
+                    "them in turn, so that ratios compare runs a minute apart (default); "
+                    "--no-interleave runs one engine after another, in a third of the memory "
+                    "(each engine holds its KV cache: about 6 GiB at 8K x 8)")
     ap.add_argument("--dtype", default=None,
                     help="engine dtype for every method (default: float32 on CPU, auto on GPU); "
                     "bfloat16 uses AMX on CPUs that have it")
@@ -336,7 +390,6 @@ def main(argv=None):
                                                         if has_plans(m))),
                             new_tokens=args.max_tokens, auto=args.auto, select=args.select,
                             access_budget=args.access_budget).result()
-    rows = []
     # every method runs on one engine; methods sharing an engine share its start and prefills
     engines: dict[str, list[str]] = {}
     for m in methods:
@@ -344,20 +397,10 @@ def main(argv=None):
         if m == "full" and args.baseline == "shared":
             kind = "kapc"
         engines.setdefault(kind, []).append(m)
-    # engines alternate across repeats: an engine instance's speed varies by up to 10-15% on a
-    # small CPU, so a ratio rests on the median of several instances of each side
-    for rep in range(args.repeat):
-        for kind, labels in engines.items():
-            if args.in_process:
-                # a fresh process per engine: vLLM-CPU rebinds its kernel overrides at every
-                # engine start, and the fourth start in one process failed (AttributeError in
-                # register_triton_kernel_overrides), which broke --repeat
-                with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-                    new = pool.submit(measure_engine, kind, labels, cases, batches,
-                                      args).result()
-            else:
-                new = measure_engine(kind, labels, cases, batches, args)
-            rows += [dict(r, repeat=rep) for r in new]
+    if args.interleave:
+        rows = interleaved_rows(engines, cases, contexts, batches, args)
+    else:
+        rows = sequential_rows(engines, cases, batches, args)
     rows = median_rows(rows)
     full = {(r["context"], r["batch"]): r for r in rows if r["method"] == "full"}
     print(f"\nvLLM {ver}, block size {args.block_size}, k={args.k}, {args.max_tokens} output "
@@ -389,6 +432,50 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as fh:
             json.dump([{k: v for k, v in r.items() if k != "tokens"} for r in rows], fh, indent=1)
+
+
+def sequential_rows(engines: dict[str, list[str]], cases, batches, args) -> list[dict]:
+    """One engine after another (--no-interleave). Engines alternate across repeats: an engine
+    instance's speed varies by up to 10-15% on a small CPU, so a ratio rests on the median of
+    several instances of each side."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    rows = []
+    for rep in range(args.repeat):
+        for kind, labels in engines.items():
+            if args.in_process:
+                # a fresh process per engine: vLLM-CPU rebinds its kernel overrides at every
+                # engine start, and the fourth start in one process failed (AttributeError in
+                # register_triton_kernel_overrides), which broke --repeat
+                with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+                    new = pool.submit(measure_engine, kind, labels, cases, batches,
+                                      args).result()
+            else:
+                new = measure_engine(kind, labels, cases, batches, args)
+            rows += [dict(r, repeat=rep) for r in new]
+    return rows
+
+
+def interleaved_rows(engines: dict[str, list[str]], cases, contexts, batches, args) -> list[dict]:
+    """Every engine up at once, each (context, batch) run on all of them in turn (the order
+    reversed on odd repeats, so that neither side always runs first)."""
+    procs: dict[str, EngineProcess] = {}
+    rows = []
+    try:
+        for kind in engines:
+            procs[kind] = EngineProcess(kind, cases, batches, args)
+        for rep in range(args.repeat):
+            order = list(engines) if rep % 2 == 0 else list(reversed(engines))
+            for c in contexts:
+                for b in batches:
+                    for kind in order:
+                        rows += [dict(r, repeat=rep)
+                                 for r in procs[kind].rows(engines[kind], c, b, args)]
+    finally:
+        for p in procs.values():
+            p.close()
+    return rows
 
 
 def median_rows(rows: list[dict]) -> list[dict]:
