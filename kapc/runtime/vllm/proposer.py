@@ -627,7 +627,7 @@ class KapProposer:
                 self.timing["rest_samples"] += 1
             elif self._clock.drafting_pays() is False:
                 # the forecast favours drafting, the steps lately did not: rest until the
-                # drafting steps' weight fades (about 30 steps), then the forecast tries again
+                # drafting steps' weight fades (up to about 60 steps), then the forecast tries again
                 ks = [0] * len(ks)
                 self.timing["held_by_rate"] += 1
         kept = list(forced)
