@@ -120,6 +120,13 @@ class Partial:
         return [StepSample(*s) for rec in self.done.values()
                 if kinds is None or rec["point"][0] in kinds for s in rec["samples"]]
 
+    def attention_kernel(self) -> str:
+        """The attention kernel kapc's engine ran for the points measured on it ('' if unknown):
+        a resumed run may never start that engine, and a profile that does not say which
+        kernel its times were measured with is taken for vLLM's."""
+        return next((rec["attention_kernel"] for rec in self.done.values()
+                     if rec.get("attention_kernel")), "")
+
     def acceptance_points(self) -> dict[str, list[tuple[float, int, float, int]]]:
         out: dict[str, list] = {}
         for rec in self.done.values():
@@ -173,6 +180,9 @@ def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
             else:
                 samples = []
                 extra = {"acceptance": bench.acceptance(grid, L)}
+            kernel = getattr(bench, "attention_kernel", "")
+            if kernel and kind != "plain":  # measured on kapc's engine, with this kernel
+                extra = {**(extra or {}), "attention_kernel": kernel}
             part.add(point, samples, extra)
             bar.console.print(f"  {kind:10} L={L:<5} B={B:<3}" + (f" s={s:<5} q={q}" if q > 1 else "")
                               + "  " + ", ".join(f"{x.kind} {x.seconds * 1000:.1f} ms" for x in samples)
@@ -180,6 +190,7 @@ def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
                               + f"  ({time.perf_counter() - t0:.0f}s)")
             bar.advance(task)
     bench.close()
+    kernel = getattr(bench, "attention_kernel", "") or part.attention_kernel()
     # with a base, a partial file left by an interrupted full run may hold other kinds of point
     samples = part.samples(None if base is None else only)
     acceptance = {rule: fit for rule, pts in part.acceptance_points().items()
@@ -191,7 +202,8 @@ def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
             acceptance = dict(base.acceptance)
         profile = msgspec.structs.replace(base, samples=tuple(samples), created=now(),
                                           fits=fit_steps(samples) if again else base.fits,
-                                          acceptance=acceptance)
+                                          acceptance=acceptance,
+                                          attention_kernel=kernel or base.attention_kernel)
         path = save_profile(profile, out)
         part.path.unlink(missing_ok=True)
         return profile, path
@@ -200,7 +212,7 @@ def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
                       threads=bench.threads, block_size=bench.block_size, created=now(),
                       samples=tuple(samples), fits=fit_steps(samples),
                       acceptance=acceptance, note=bench.note,
-                      attention_kernel=getattr(bench, "attention_kernel", ""))
+                      attention_kernel=kernel)
     path = save_profile(profile, out)
     part.path.unlink(missing_ok=True)
     return profile, path

@@ -65,14 +65,18 @@ def test_tiny_calibration_gives_a_well_formed_profile(tmp_path):
     png = plot(profile, tmp_path / "p.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    # resume: with every point already in the partial file, nothing is measured again
+    # resume: with every point already in the partial file, nothing is measured again, and the
+    # attention kernel the points were measured with is kept though no engine ran this time
     partial = profiles_dir() / f"{profile.key}.partial.jsonl"
     with open(partial, "w") as f:
         for point in TINY.points():
-            f.write(json.dumps({"point": list(point), "samples": []}) + "\n")
+            f.write(json.dumps({"point": list(point), "samples": [],
+                                "attention_kernel": "kapc's"}) + "\n")
     again = Counting(bench.bench)
-    calibrate(again, TINY, resume=True, progress=False, out=tmp_path / "again.json")
+    resumed, _ = calibrate(again, TINY, resume=True, progress=False,
+                           out=tmp_path / "again.json")
     assert again.calls == 0
+    assert resumed.attention_kernel == "kapc's"
 
     # --only select: the page-choice points alone are measured again, the rest is kept, even
     # where an interrupted full run left other points in the partial file
