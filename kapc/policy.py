@@ -303,6 +303,8 @@ class StepClock:
     weight of `prior` observations, so one slow step moves little. Resting steps are rare where
     rows always draft, so until they are seen (and when they have not been for a while) they,
     and plain steps, follow verification's factor: both are full-context forwards of one engine.
+    It also keeps what whole steps delivered, with drafts and without (`drafting_pays`), and
+    asks for a resting step when it has not timed one for a while (`wants_sample`).
     """
 
     def __init__(self, profile, decay: float = 0.95, prior: float = 2.0,
@@ -335,11 +337,11 @@ class StepClock:
 
     def drafting_pays(self, min_weight: float = 1.0) -> bool | None:
         """Whether steps with drafts have delivered more tokens per second than steps without,
-        lately (None: too few of either, by decayed count: a batch that always drafts sees a
+        lately (None: too few of either by decayed count; a batch that always drafts sees a
         resting step once in `sample_every`, which weighs 1 to 1.8 at 0.95 a step). The step
-        policy's forecast rests on
-        fitted times and an acceptance estimate; this is what the steps did. At 4K x 1 the
-        forecast put drafting 3 to 10% ahead and the engine ran it 8% behind."""
+        policy's forecast rests on fitted times and an acceptance estimate; this is what the
+        steps did: at 4K x 1 the forecast put drafting 3 to 10% ahead and the engine ran it 8%
+        behind."""
         if any(self._rates.get(k, (0, 0, 0))[2] < min_weight for k in (True, False)):
             return None
         (td, sd, _), (tr, sr, _) = self._rates[True], self._rates[False]
