@@ -29,10 +29,10 @@ after another where memory is short). Rows:
   chooses, per layer (docs/access.md);
 - `ngram`: vLLM's ngram (prompt lookup) speculative decoding, same k.
 
-Printed per row: output tokens/s (with `--repeat N`, every engine is started N times, alternating,
-and the row is the median, with the spread of the N), its ratio to `full` (the median of the
-ratios paired by repeat), s (retained
-ratio), h (measured acceptance), tokens per verification, whether the tokens equal `full`'s, the
+Printed per row: output tokens/s (with `--repeat N`, every row runs N times on each engine, in
+turn, the order reversed on odd repeats, or with `--no-interleave` every engine is started N
+times, alternating; the row is the median, with the spread of the N), its ratio to `full` (the
+median of the ratios paired by repeat), s (retained ratio), h (measured acceptance), tokens per verification, whether the tokens equal `full`'s, the
 plan's predicted speedup (`pred(plan)`, at compile time) and, when the engine decides each step
 from a calibration profile, that profile's forecast of the steps that ran (`pred(run)`: the
 step policy's choices at the acceptance it estimated; docs/cost-model.md).
@@ -193,10 +193,15 @@ def measure_engine(kind, labels, cases, batches, args) -> list[dict]:
     same step measured 35% faster at 08:40 than at 03:00, and drifted within one grid."""
     eng = start_engine(kind, cases, batches, args)
     try:
-        return [r for c in cases for b in batches for m in labels
-                for r in run_rows(eng, m, {c: cases[c]}, [b], args, with_plans=has_plans(m))]
+        return [r for c in cases for b in batches for r in engine_rows(eng, labels, cases, c, b, args)]
     finally:
         eng.close()
+
+
+def engine_rows(eng, labels, cases, context, batch, args) -> list[dict]:
+    """The rows of each method in `labels` at one (context, batch), on `eng`, in turn."""
+    return [r for m in labels for r in run_rows(eng, m, {context: cases[context]}, [batch], args,
+                                                 with_plans=has_plans(m))]
 
 
 # --interleave: every engine stays up in a process of its own and each (context, batch) runs on
@@ -213,8 +218,7 @@ def _open_engine(kind, cases, batches, args) -> None:
 
 
 def _engine_rows(labels, context, batch, args) -> list[dict]:
-    return [r for m in labels for r in run_rows(_engine, m, {context: _cases[context]}, [batch],
-                                                 args, with_plans=has_plans(m))]
+    return engine_rows(_engine, labels, _cases, context, batch, args)
 
 
 def _close_engine() -> None:
@@ -230,7 +234,6 @@ class EngineProcess:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
-        self.kind = kind
         self.pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
         self.pool.submit(_open_engine, kind, cases, batches, args).result()
 
@@ -358,8 +361,10 @@ def main(argv=None):
                     help="plans compiled with k=auto and this machine's calibration profile "
                     "(kapc calibrate), run as the plans decide: fallbacks honoured")
     ap.add_argument("--repeat", type=int, default=1,
-                    help="start every engine this many times, alternating, and report the median "
-                         "throughput, its spread, and the median of the ratios paired by repeat")
+                    help="run every row this many times on each engine in turn (with "
+                         "--no-interleave: start every engine this many times, alternating), and "
+                         "report the median throughput, its spread, and the median of the ratios "
+                         "paired by repeat")
     ap.add_argument("--quick", action="store_true",
                     help="reduced run: 4K context, batch 1 and 4, 32 output tokens")
     ap.add_argument("--json", help="write the rows (without token ids) to this file")
