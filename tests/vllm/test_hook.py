@@ -365,6 +365,29 @@ def test_no_drafts_past_the_last_token_a_request_may_emit(engine, cases, baselin
     assert res[0]["timing"]["draft_forwards"] == 1
 
 
+def test_step_policy_times_resting_steps_or_rests_by_measured_rates(engine, cases, baseline,
+                                                                    tmp_path):
+    """Online, rows the policy is free to hold (their plans honoured) never go 16 steps without
+    a resting step: the hook holds them for one to time it (`rest_samples`), or has rested them
+    because drafting steps delivered fewer tokens a second than resting ones (`held_by_rate`).
+    100 tokens take at least 20 steps at k = 4; the outputs stay plain vLLM's."""
+    from kapc.runtime.vllm import generate
+
+    cheap = _write_profile(tmp_path / "cheap.json", cases[0].plan.header.model_fingerprint,
+                           verify_s=0.0)
+    pair = [cases[0], cases[1]]
+    try:
+        engine.use_profile(cheap)
+        res = generate(engine, [c.ids for c in pair], [c.plan for c in pair], max_tokens=100,
+                       ignore_eos=True)
+    finally:
+        engine.use_profile("none")
+    assert all(r["tokens"][:len(b)] == b for r, b in zip(res, baseline))
+    assert all(r["status"] == "plan" and r["held"] > 0 for r in res), res
+    timing = res[0]["timing"]
+    assert timing["rest_samples"] + timing["held_by_rate"] >= 1, timing
+
+
 def test_query_aware_access_is_lossless_in_vllm(engine, cases, baseline):
     """Dynamic and hybrid views in vLLM: each layer's pages are chosen from its own query (a
     pre-hook on vLLM's attention modules edits the block table per layer); a batch mixing them
