@@ -186,7 +186,8 @@ def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
             part.add(point, samples, extra)
             bar.console.print(f"  {kind:10} L={L:<5} B={B:<3}" + (f" s={s:<5} q={q}" if q > 1 else "")
                               + "  " + ", ".join(f"{x.kind} {x.seconds * 1000:.1f} ms" for x in samples)
-                              + (f"  acceptance {extra['acceptance']}" if extra else "")
+                              + (f"  acceptance {extra['acceptance']}"
+                                 if extra and "acceptance" in extra else "")
                               + f"  ({time.perf_counter() - t0:.0f}s)")
             bar.advance(task)
     bench.close()
