@@ -288,7 +288,7 @@ def calibrate(
     resume: Annotated[bool, typer.Option(help="Continue an interrupted calibration.")] = True,
     only: Annotated[Optional[str], typer.Option(
         help="Measure only these kinds of point again (comma-separated: plain, resting, cycle, "
-             "select, acceptance), keeping the rest of this engine's profile.")] = None,
+             "select, tolerant, acceptance), keeping the rest of this engine's profile.")] = None,
     show: Annotated[bool, typer.Option(help="Print the profiles found (or --profile) and exit.")] = False,
     profile: Annotated[Optional[Path], typer.Option(help="With --show: this profile file.")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="Write measured-against-fitted step times as PNG.")] = None,
@@ -324,7 +324,8 @@ def calibrate(
         raise KapcError("--contexts and --batches are comma-separated integers") from None
     if quick:
         grid = Grid(contexts=(2048, 4096), batches=(1, 4), steps=8, acceptance_questions=2,
-                    pairs=((0.1, 3), (0.3, 5)), budgets=(0.1, 0.3), acceptance_tokens=48)
+                    pairs=((0.1, 3), (0.3, 5)), tolerant_pairs=((0.1, 3), (0.3, 5)),
+                    budgets=(0.1, 0.3), acceptance_tokens=48)
     if engine == "reference":
         from kapc.runtime.calibrate import ReferenceBench
 

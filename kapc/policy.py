@@ -97,6 +97,14 @@ def resting_kind(profile) -> str:
     return "resting" if "resting" in profile.fits else "plain"
 
 
+def verify_kind(profile, tolerant: bool) -> str:
+    """The profile's kind for a verification step: `verify_tolerant` where a row accepts top-N
+    drafts and the profile timed that path (kapc raises the target logits of every draft within
+    the target's top N before vLLM's rejection sampler: a top-N over the vocabulary per draft
+    position, per row), else `verify`."""
+    return "verify_tolerant" if tolerant and "verify_tolerant" in profile.fits else "verify"
+
+
 def unplanned_step(profile, batch: int, context: float) -> float:
     """Seconds of a decode step on the profiled engine for requests without a plan
     (`resting_kind`). This is what a plan must beat: what the same engine does without it."""
@@ -104,15 +112,16 @@ def unplanned_step(profile, batch: int, context: float) -> float:
 
 
 def profiled_speedup(profile, batch: int, context: int, s: float, k: int, p: float,
-                     chooses_pages: bool = False) -> float:
+                     chooses_pages: bool = False, tolerant: bool = False) -> float:
     """Speedup over the engine's own decoding without a plan (`unplanned_step`), from measured step
     times (a `kapc.profile.Profile`): (1 + p + ... + p^k) unplanned steps' worth of tokens per
     cycle of k draft forwards over s*context tokens and one verification of k+1 tokens over the
-    context, plus, for query-aware pages (`chooses_pages`), the cycle's page choice."""
+    context (`verify_kind`: top-N rows, `tolerant`, have their own), plus, for query-aware pages
+    (`chooses_pages`), the cycle's page choice."""
     plain = unplanned_step(profile, batch, context)
     draft = profile.seconds("draft", batch, max(1.0, s * context))
     propose = profile.seconds("propose", batch, context) if "propose" in profile.fits else 0.0
-    verify = profile.seconds("verify", batch, context, query=k + 1)
+    verify = profile.seconds(verify_kind(profile, tolerant), batch, context, query=k + 1)
     choose = page_choice(profile, batch if chooses_pages else 0, batch * context)
     return tokens_per_cycle(p, k) * plain / (k * draft + propose + choose + verify)
 
@@ -143,16 +152,17 @@ class Prediction:
 
 def predict(*, s: float, p: float, k: int | None, batch: int, context: int, profile=None,
             weight_bytes: float = 0.0, kv_bytes: float = 0.0,
-            chooses_pages: bool = False) -> Prediction:
+            chooses_pages: bool = False, tolerant: bool = False) -> Prediction:
     """The speedup of a plan retaining s of `context` tokens, per-draft acceptance p, at proposal
     length k (None: the k in 1..MAX_AUTO_K with the best predicted speedup, with a profile only
     up to the longest verification it timed). With a profile the
     step times are the measured ones (with the page choice of query-aware plans,
-    `chooses_pages`); without, the paper's memory-bound model."""
+    `chooses_pages`, and the top-N verification of `tolerant` ones); without, the paper's
+    memory-bound model."""
 
     def speedup(kk: int, pp: float) -> float:
         if profile is not None:
-            return profiled_speedup(profile, batch, context, s, kk, pp, chooses_pages)
+            return profiled_speedup(profile, batch, context, s, kk, pp, chooses_pages, tolerant)
         return predicted_speedup(weight_bytes, kv_bytes, batch, s, acceptance_rate(pp, kk), kk)
 
     by_k = tuple(round(speedup(kk, p), 4) for kk in range(1, MAX_AUTO_K + 1))
@@ -191,13 +201,15 @@ def predict(*, s: float, p: float, k: int | None, batch: int, context: int, prof
 class DraftRow:
     """A row that may draft this step: its acceptance estimate, its plan's k (or, given to
     `step_cost`, the tokens it drafts this step), its retained ratio, the tokens its full context
-    holds, and whether its pages are chosen by the query each cycle (dynamic or hybrid access)."""
+    holds, whether its pages are chosen by the query each cycle (dynamic or hybrid access), and
+    whether it accepts top-N drafts (`tolerant`)."""
 
     p: float
     k: int
     s: float
     context: int
     chooses_pages: bool = False
+    tolerant: bool = False
 
 
 def estimated_p(prior_p: float, accepted: int, tried: int, weight: float = 16.0) -> float:
@@ -213,7 +225,8 @@ def step_cost(profile, rows: list[DraftRow], others: list[int]) -> float:
     verified, and each of `others` (context) decodes one token."""
     drafting = [r for r in rows if r.k > 0]
     verify = engine_step(profile, [r.k + 1 for r in rows] + [1] * len(others),
-                         [r.context for r in rows] + list(others))
+                         [r.context for r in rows] + list(others),
+                         tolerant=any(r.tolerant for r in drafting))
     if not drafting:
         return verify
     draft = 0.0
@@ -226,15 +239,16 @@ def step_cost(profile, rows: list[DraftRow], others: list[int]) -> float:
                                                   sum(r.context for r in choosing))
 
 
-def engine_step(profile, queries: Sequence[int], contexts: Sequence[float]) -> float:
+def engine_step(profile, queries: Sequence[int], contexts: Sequence[float],
+                tolerant: bool = False) -> float:
     """Seconds of the engine's own step (everything but the proposer's call) over rows of
     `queries` query tokens and `contexts` tokens each: a verification when any row has drafts
-    to check (the fitted features summed over rows that differ in q and context), else a step of
-    the speculating engine at rest."""
+    to check (the fitted features summed over rows that differ in q and context; `tolerant`:
+    some drafting row accepts top-N drafts), else a step of the speculating engine at rest."""
     B = len(contexts)
     if all(q == 1 for q in queries):
         return unplanned_step(profile, B, sum(contexts) / max(1, B))
-    return profile.seconds_of("verify", {
+    return profile.seconds_of(verify_kind(profile, tolerant), {
         "1": 1.0, "B": float(B), "Bq": float(sum(queries)), "BV": float(sum(contexts)),
         "BqV": float(sum(q * v for q, v in zip(queries, contexts)))})
 
@@ -375,7 +389,9 @@ class StepClock:
 
     def factor(self, kind: str) -> float:
         """Observed over predicted seconds for `kind` (1.0: as profiled)."""
-        fallback = self.factor("verify") if kind in ("resting", "plain") else 1.0
+        # kinds the runtime may not have seen yet follow the full-context forward it has timed
+        fallback = self.factor("verify") if kind in ("resting", "plain", "verify_tolerant") \
+            else 1.0
         o, p, n = self._sums.get(kind, (0.0, 0.0, 0.0))
         if n < 1e-3:
             return fallback

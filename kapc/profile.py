@@ -11,6 +11,8 @@ A profile holds the measured samples and, per kind of step, a small linear model
     propose the proposer's own work per step besides its forwards (metadata, Python)   1, B
     select  one cycle's query-aware page choice for B rows of V prompt tokens          1, B, B*V
     verify  one verification step, q = k+1 query tokens per row over V tokens         1, B, B*q, B*V, B*q*V
+    verify_tolerant   the same, rows accepting top-N drafts (a top-N over the vocabulary per
+                      draft position, before vLLM's rejection sampler)              as verify
 
 with B the batch (rows), V the tokens each row attends to and q its query tokens. The features
 are what a decode step does (a fixed cost, per-row work, per-token MLP work, reading KV, and
@@ -37,7 +39,7 @@ import numpy as np
 from kapc.errors import KapcError
 
 PROFILE_VERSION = 1
-StepKind = Literal["plain", "resting", "draft", "propose", "select", "verify"]
+StepKind = Literal["plain", "resting", "draft", "propose", "select", "verify", "verify_tolerant"]
 FEATURES: dict[str, tuple[str, ...]] = {
     "plain": ("1", "B", "BV"),
     "resting": ("1", "B", "BV"),
@@ -45,6 +47,7 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "propose": ("1", "B"),
     "select": ("1", "B", "BV"),
     "verify": ("1", "B", "Bq", "BV", "BqV"),
+    "verify_tolerant": ("1", "B", "Bq", "BV", "BqV"),
 }
 
 

@@ -104,7 +104,8 @@ class Compact(Pass):
             p = fit.p(drafted, n) if fit is not None else p
         pred = predict(s=drafted, p=p, k=None if self.k == "auto" else self.k, batch=self.batch,
                        context=n, profile=profile, weight_bytes=weights, kv_bytes=kv,
-                       chooses_pages=self.access != "static")
+                       chooses_pages=self.access != "static",
+                       tolerant=parse_accept(self.accept) > 1)
         speedup = round(pred.speedup, 4)
         # Memory-bound predictions are known to be wrong on some hardware (DESIGN.md): only a
         # measured profile's break-even may stop a runtime.

@@ -4,7 +4,9 @@ small model of it (`kapc.profile`), and save a profile the compiler predicts pla
 The grid: context lengths L x batch sizes B, at each a plain step of the engine users would
 otherwise run, a step of kapc's engine with no drafts (`resting`), and for each (s, q) pair one
 run of synthetic plans that keep s of the prompt and verify q = k+1 tokens, which yields the
-draft forward, the proposer's overhead and the verification step, and one run of plans whose
+draft forward, the proposer's overhead and the verification step, a few such runs verified by
+top-3 acceptance (`tolerant`), which time top-N verification (`verify_tolerant`: a top-N over the
+vocabulary per draft position before vLLM's rejection sampler), and one run of plans whose
 pages the query chooses each cycle (hybrid access, the compiler's default), which yields the page
 choice's cost (`select`). Row r of every batch decodes
 its own long HotpotQA prompt (question 5 + 7r, padded with hard negatives), cut to L tokens: rows
@@ -44,6 +46,10 @@ class Grid:
     pairs: tuple[tuple[float, int], ...] = ((0.05, 2), (0.1, 3), (0.2, 5), (0.4, 9))
     # (s, q) of the query-aware run per (L, B) that times page choice; None: not measured
     select_pair: tuple[float, int] | None = (0.1, 5)
+    # (s, q) of the runs per (L, B) that time top-N verification (rule `tolerant_rule`); a
+    # verification's cost is the same whatever its drafts read, so s is the greedy pairs'
+    tolerant_pairs: tuple[tuple[float, int], ...] = ((0.1, 3), (0.2, 5), (0.4, 9))
+    tolerant_rule: str = "top3"
     steps: int = 16  # decode steps (or cycles) timed per point
     acceptance_questions: int = 8
     acceptance_contexts: tuple[int, ...] = (4096, 7936)
@@ -67,6 +73,8 @@ class Grid:
                     pts.append(("cycle", L, B, s, q))
                 if self.select_pair:
                     pts.append(("select", L, B) + tuple(self.select_pair))
+                for s, q in self.tolerant_pairs:
+                    pts.append(("tolerant", L, B, s, q))
         if self.acceptance_questions:
             for L in self.acceptance_contexts:
                 pts.append(("acceptance", L, len(self.budgets), 0.0, 0))
@@ -135,7 +143,7 @@ class Partial:
         return out
 
 
-MEASURES = ("plain", "resting", "cycle", "select", "acceptance")  # the grid's kinds of point
+MEASURES = ("plain", "resting", "cycle", "select", "tolerant", "acceptance")  # the grid's kinds of point
 
 
 def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
@@ -177,6 +185,9 @@ def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
             elif kind == "select":
                 c = bench.cycle(L, B, s, q, grid.steps, access="hybrid")
                 samples = [StepSample("select", B, 1, L, c.select)]
+            elif kind == "tolerant":
+                c = bench.cycle(L, B, s, q, grid.steps, accept=grid.tolerant_rule)
+                samples = [StepSample("verify_tolerant", B, q, L, c.verify)]
             else:
                 samples = []
                 extra = {"acceptance": bench.acceptance(grid, L)}
@@ -370,7 +381,7 @@ class ReferenceBench:
         return self.plain(L, B, steps)  # the executor has one decode path with or without plans
 
     def cycle(self, L: int, B: int, s: float, q: int, steps: int,
-              access: str = "static") -> CycleTimes:
+              access: str = "static", accept: str = "greedy") -> CycleTimes:
         from kapc.lower.kapb import FallbackPolicy
         from kapc.policy import AccessPolicy
         from kapc.runtime.executor import Request
@@ -382,7 +393,7 @@ class ReferenceBench:
         reqs = [Request(ids, plan=plan_from_blocks(self.m, ids, spread_blocks(L, self.block_size, s),
                                                    block_size=self.block_size, k=q - 1, pays=True,
                                                    fallback=keep),
-                        access=policy, max_tokens=steps * q, ignore_eos=True)
+                        access=policy, max_tokens=steps * q, ignore_eos=True, accept=accept)
                 for ids in self._rows(L, B)]
         _, st = ex.generate(reqs)
         return CycleTimes(draft=(st.proposal_s - st.select_s) / max(1, st.draft_forwards),
@@ -430,16 +441,21 @@ def show(profile: Profile) -> str:
         lines.append(f"  kapc's engine without plans decodes {min(gains):.2f}x to {max(gains):.2f}x "
                      f"as fast as plain decoding (resting against plain, 2K-8K x 1-8); plans are "
                      f"predicted against resting")
+    if "verify" in profile.fits and "verify_tolerant" in profile.fits:
+        extra = [profile.seconds("verify_tolerant", B, L, q) / profile.seconds("verify", B, L, q)
+                 for L in (2048, 8192) for B in (1, 8) for q in (3, 9)]
+        lines.append(f"  top-N verification costs {min(extra):.2f}x to {max(extra):.2f}x a greedy "
+                     f"one (2K-8K x 1-8, q 3-9)")
     for kind, fit in profile.fits.items():
         terms = " + ".join(f"{c * 1e3:.4g}ms*{f}" if f != "1" else f"{c * 1e3:.4g}ms"
                            for f, c in zip(fit.features, fit.coef) if c > 0)
-        lines.append(f"  {kind:8} {fit.samples:3d} samples, rms rel. error {fit.rel_error:.1%}: "
+        lines.append(f"  {kind:15} {fit.samples:3d} samples, rms rel. error {fit.rel_error:.1%}: "
                      f"{terms or '0'}")
-    lines.append(f"  {'kind':8} {'B':>3} {'q':>2} {'visible':>7} {'measured':>10} {'fitted':>10}")
+    lines.append(f"  {'kind':15} {'B':>3} {'q':>2} {'visible':>7} {'measured':>10} {'fitted':>10}")
     for smp in profile.samples:
         fitted = profile.seconds(smp.kind, smp.batch, smp.visible, smp.query) \
             if smp.kind in profile.fits else float("nan")
-        lines.append(f"  {smp.kind:8} {smp.batch:>3} {smp.query:>2} {smp.visible:>7} "
+        lines.append(f"  {smp.kind:15} {smp.batch:>3} {smp.query:>2} {smp.visible:>7} "
                      f"{smp.seconds * 1e3:>8.1f}ms {fitted * 1e3:>8.1f}ms")
     for rule, a in profile.acceptance.items():
         pts = ", ".join(f"s={s:.3f} L={L}: p={p:.2f} ({n})" for s, L, p, n in a.points)

@@ -148,6 +148,48 @@ def test_a_plan_is_priced_against_its_own_engine_without_plans():
     assert step_forecast(faster, [], [4096]) == pytest.approx((0.007, 0.007))
 
 
+def tolerant_profile(fingerprint: str = "sha256:" + "0" * 64) -> Profile:
+    """known_profile, with top-N verification timed at 12 ms + 2 ms per query token, and top-3
+    acceptance as greedy's (p = 0.8)."""
+    prof = known_profile(fingerprint)
+    return msgspec.structs.replace(
+        prof, fits={**prof.fits, "verify_tolerant": StepFit(
+            features=("1", "B", "Bq", "BV", "BqV"), coef=(0.012, 0, 0.002, 0, 0), rel_error=0,
+            samples=5)},
+        acceptance={**prof.acceptance, "top3": prof.acceptance["greedy"]})
+
+
+def test_top_n_verification_is_priced_from_its_own_step_model():
+    """Top-N rows verify through a dearer path (a top-N over the vocabulary per draft position
+    before vLLM's rejection sampler): a profile that timed it prices top-N plans and steps with
+    it, and one that did not prices them as greedy."""
+    prof, tol = known_profile(), tolerant_profile()
+    # k=3, p=0.8: 29.52 plain ms of tokens per cycle; 3 drafts (9 ms) + verify of q=4:
+    # greedy 12 + 4 = 16 ms, tolerant 12 + 8 = 20 ms
+    assert predict(s=0.1, p=0.8, k=3, batch=1, context=4096, profile=tol,
+                   tolerant=True).speedup == pytest.approx(29.52 / 29)
+    assert predict(s=0.1, p=0.8, k=3, batch=1, context=4096,
+                   profile=tol).speedup == pytest.approx(29.52 / 25)
+    assert predict(s=0.1, p=0.8, k=3, batch=1, context=4096, profile=prof,
+                   tolerant=True).speedup == pytest.approx(29.52 / 25)
+    # a step with any drafting top-N row is a tolerant verification of every row's queries
+    top3, greedy = (DraftRow(p=0.8, k=3, s=0.1, context=4096, tolerant=True),
+                    DraftRow(p=0.8, k=3, s=0.1, context=4096))
+    assert step_cost(tol, [top3, greedy], []) == pytest.approx(0.009 + 0.012 + 0.002 * 8)
+    assert step_cost(tol, [greedy, greedy], []) == pytest.approx(0.009 + 0.012 + 0.001 * 8)
+    held = DraftRow(p=0.8, k=0, s=0.1, context=4096, tolerant=True)
+    assert step_cost(tol, [held, greedy], []) == pytest.approx(0.009 + 0.012 + 0.001 * 5)
+    assert engine_step(tol, [4, 1], [4096, 4096], tolerant=True) == pytest.approx(0.022)
+    # the clock: a tolerant step follows verification's factor until one is timed
+    clock = StepClock(tol, decay=0.95, prior=2.0)
+    for _ in range(10):
+        clock.record("verify", 0.034, 0.017)
+    assert clock.factor("verify_tolerant") == pytest.approx(clock.factor("verify"))
+    for _ in range(10):
+        clock.record("verify_tolerant", 0.022, 0.022)
+    assert clock.factor("verify_tolerant") < clock.factor("verify")
+
+
 def test_query_aware_pages_pay_for_choosing_them_each_cycle():
     """A dynamic or hybrid plan chooses its pages once per cycle; a profile that measured that
     (`select`: 2 ms + 1 ms a row + 1 ms per 4096 tokens of a row's prompt) adds it to the cycle,
@@ -355,6 +397,11 @@ def test_compact_uses_a_profile_and_chooses_k(ctx, tmp_path):
     fixed = compile_module(prior, "ground,align-spans,select{budget-ratio=0.2},resolve-pages,"
                            f"compact{{k=5,profile={path}}}", ctx).module
     assert fixed.verify.k == 5
+    # a top-3 plan is priced with the profile's top-N verification (12 ms + 2 ms a query token)
+    tol = save_profile(tolerant_profile(ctx.assets.fingerprint), tmp_path / "tol.json")
+    top3 = compile_module(prior, "ground,align-spans,select{budget-ratio=0.2},resolve-pages,"
+                          f"compact{{k=3,accept=top3,profile={tol}}}", ctx).module
+    assert top3.cost.speedup == pytest.approx(29.52 / 29, abs=1e-4)
     # a profile of another model is refused by name
     other = save_profile(known_profile(), tmp_path / "other.json")
     from kapc.passes import PassError

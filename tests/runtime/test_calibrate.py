@@ -14,7 +14,7 @@ from kapc.runtime.calibrate import Grid, ReferenceBench, calibrate, cycle_times,
 pytestmark = pytest.mark.model
 
 TINY = Grid(contexts=(256, 512), batches=(1, 2), pairs=((0.25, 2), (0.5, 3)), select_pair=(0.25, 3),
-            steps=3,
+            tolerant_pairs=((0.25, 2), (0.5, 3)), steps=3,
             acceptance_questions=1, acceptance_contexts=(1024,), budgets=(0.15, 0.5),
             acceptance_tokens=12, rules=("greedy",))
 
@@ -44,7 +44,7 @@ def test_tiny_calibration_gives_a_well_formed_profile(tmp_path):
     assert profile.attention_kernel == "kapc's"
     assert bench.calls == len(TINY.points())
     assert load_profile(path) == profile
-    assert set(profile.fits) >= {"plain", "resting", "draft", "verify", "select"}
+    assert set(profile.fits) >= {"plain", "resting", "draft", "verify", "select", "verify_tolerant"}
     for fit in profile.fits.values():
         assert all(c >= 0 for c in fit.coef) and fit.samples >= len(fit.features)
     for kind in ("plain", "draft"):
@@ -52,6 +52,7 @@ def test_tiny_calibration_gives_a_well_formed_profile(tmp_path):
     assert profile.seconds("verify", 2, 512, query=3) > 0
     kinds = [s.kind for s in profile.samples]
     assert kinds.count("plain") == 4 and kinds.count("verify") == 8 and kinds.count("select") == 4
+    assert kinds.count("verify_tolerant") == 8 and profile.seconds("verify_tolerant", 2, 512, 3) > 0
     # query-aware page choice costs something, and no less over longer prompts
     assert 0 < profile.seconds("select", 2, 256) <= profile.seconds("select", 2, 4096)
     fit = profile.acceptance["greedy"]

@@ -127,7 +127,7 @@ class VllmBench:
         return median_step([b[1] - a[1] for a, b in zip(log, log[1:])])
 
     def cycle(self, L: int, B: int, s: float, q: int, steps: int,
-              access: str = "static") -> CycleTimes:
+              access: str = "static", accept: str = "greedy") -> CycleTimes:
         from kapc.lower.kapb import FallbackPolicy
         from kapc.policy import AccessPolicy
         from kapc.runtime.planning import PlanTarget, plan_from_blocks, spread_blocks
@@ -142,7 +142,8 @@ class VllmBench:
         self._step_log(eng)
         policies = None if access == "static" else [AccessPolicy(mode=access, budget=s)] * B
         generate(eng, rows, plans, max_tokens=steps * q + 4, ignore_eos=True,
-                 honor_predicted_loss=False, min_acceptance=False, k=q - 1, access=policies)
+                 honor_predicted_loss=False, min_acceptance=False, k=q - 1, access=policies,
+                 accept=accept)
         return cycle_times(self._step_log(eng), B, q)
 
     def acceptance(self, grid: Grid, context: int) -> dict[str, list[tuple[float, int, float, int]]]:

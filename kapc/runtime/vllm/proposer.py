@@ -579,7 +579,8 @@ class KapProposer:
                 self._clock.record("propose", t1 - t0 - self._forward_s,
                                    self._profile.seconds("propose", len(rows), 0))
             self._pending = (t0, t1, tuple(req_ids[:n_rows]), [len(d) + 1 for d in out],
-                             [int(num_tokens_no_spec[row]) for row in range(n_rows)])
+                             [int(num_tokens_no_spec[row]) for row in range(n_rows)],
+                             any(out[row] and st.topn > 1 for row, st, *_ in rows))
         self.timing["propose_s"] += t1 - t0
         self.timing["calls"] += 1
         self.step_log.append((t0, t1, n_rows, len(rows), max((r[4] for r in rows), default=0),
@@ -591,17 +592,18 @@ class KapProposer:
         profile, and the whole step since that call's entry against the tokens it emitted, when
         it ran just the rows that call left it: a step that also prefilled a new request, or
         lost one, is another kind of step."""
-        from kapc.policy import engine_step, resting_kind
+        from kapc.policy import engine_step, resting_kind, verify_kind
 
         pending, self._pending = self._pending, None
         self._clock.tick()
         if pending is None or tuple(req_ids) != pending[2] \
                 or not all(len(t) for t in sampled_token_ids):
             return
-        called, left, _, queries, contexts = pending
+        called, left, _, queries, contexts, tolerant = pending
         drafted = any(q > 1 for q in queries)
-        kind = "verify" if drafted else resting_kind(self._profile)
-        self._clock.record(kind, entered - left, engine_step(self._profile, queries, contexts))
+        kind = verify_kind(self._profile, tolerant) if drafted else resting_kind(self._profile)
+        self._clock.record(kind, entered - left,
+                           engine_step(self._profile, queries, contexts, tolerant))
         self._clock.record_step(drafted, sum(len(t) for t in sampled_token_ids), entered - called)
 
     def _plan_step(self, rows, num_tokens_no_spec, n_rows):
@@ -612,7 +614,7 @@ class KapProposer:
         def as_draft_row(st, P, budget):
             return DraftRow(p=estimated_p(st.prior_p, st.accepted, st.tried), k=budget,
                             s=st.retained_ratio or 1.0, context=P + 1,
-                            chooses_pages=st.access is not None)
+                            chooses_pages=st.access is not None, tolerant=st.topn > 1)
 
         drafting = {r[0] for r in rows}
         forced = [r for r in rows if r[1].forced]
