@@ -279,6 +279,9 @@ def calibrate(
     steps: Annotated[int, typer.Option(help="Decode steps (or cycles) timed per point.")] = 16,
     acceptance_questions: Annotated[int, typer.Option(
         help="HotpotQA calibration questions (dev 1000 on) for the acceptance model; 0: none.")] = 8,
+    acceptance_contexts: Annotated[str, typer.Option(
+        help="Context lengths the acceptance model is measured at, comma-separated (two 1.5x "
+             "apart or more fit how acceptance changes with length).")] = "4096,7936",
     block_size: BlockSizeOpt = None,
     model: ModelOpt = None,
     dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16, ... (default: float32 on CPU, bfloat16 on a GPU).")] = None,
@@ -319,9 +322,11 @@ def calibrate(
     ints = lambda text, what: tuple(int(x) for x in text.split(",") if x.strip())  # noqa: E731
     try:
         grid = Grid(contexts=ints(contexts, "contexts"), batches=ints(batches, "batches"),
-                    steps=steps, acceptance_questions=acceptance_questions)
+                    steps=steps, acceptance_questions=acceptance_questions,
+                    acceptance_contexts=ints(acceptance_contexts, "acceptance-contexts"))
     except ValueError:
-        raise KapcError("--contexts and --batches are comma-separated integers") from None
+        raise KapcError("--contexts, --batches and --acceptance-contexts are comma-separated "
+                        "integers") from None
     if quick:
         grid = Grid(contexts=(2048, 4096), batches=(1, 4), steps=8, acceptance_questions=2,
                     pairs=((0.1, 3), (0.3, 5)), tolerant_pairs=((0.1, 3), (0.3, 5)),
