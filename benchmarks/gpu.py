@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         print("benchmarks.gpu: no CUDA device here", file=sys.stderr)
         return 2
     from kapc.profile import Profile, StepSample, fit_steps, now, save_profile
-    from kapc.runtime.calibrate import Grid, ReferenceBench
+    from kapc.runtime.calibrate import Grid, ReferenceBench, measure_point
     from kapc.runtime.model import random_model
 
     t_start = time.perf_counter()
@@ -75,9 +75,9 @@ def main(argv=None) -> int:
                            prompts=lambda rows, tokens: [prompt[:tokens]] * rows)
     log = open(out / "steps.jsonl", "w")
     samples: list[StepSample] = []
-    # no page-choice points (the reference executor's is not what a GPU engine would run), and
-    # top-3 verification at two of the greedy q's only (enough points for its fit): the run must
-    # fit its time budget
+    # no page-choice or acceptance points (the reference executor's page choice is not what a GPU
+    # engine would run; random weights accept nothing meaningful), and top-3 verification at two
+    # of the greedy q's only (enough points for its fit): the run must fit its time budget
     grid = Grid(contexts=tuple(contexts), batches=tuple(batches), pairs=pairs, steps=args.steps,
                 acceptance_questions=0, select_pair=None, tolerant_pairs=((0.1, 4), (0.2, 8)))
     print(f"benchmarks.gpu: {m.name} ({sum(p.numel() for p in m.hf.parameters()) / 1e9:.1f}B "
@@ -85,21 +85,13 @@ def main(argv=None) -> int:
           f"KV pool {kv_gib:.0f} GiB", flush=True)
     skipped = 0
     for kind, L, B, s, q in grid.points():
-        if L * B > args.max_kv_tokens or kind not in ("plain", "cycle", "tolerant"):
+        if L * B > args.max_kv_tokens or kind == "resting":  # the executor's resting is plain
             continue
         if time.perf_counter() - t_start > args.budget_s:
             skipped += 1
             continue
         t0 = time.perf_counter()
-        if kind == "plain":
-            new = [StepSample("plain", B, 1, L, bench.plain(L, B, args.steps))]
-        elif kind == "cycle":
-            c = bench.cycle(L, B, s, q, args.steps)
-            new = [StepSample("draft", B, 1, max(1, round(s * L)), c.draft),
-                   StepSample("verify", B, q, L, c.verify)]
-        else:
-            c = bench.cycle(L, B, s, q, args.steps, accept=grid.tolerant_rule)
-            new = [StepSample("verify_tolerant", B, q, L, c.verify)]
+        new, _ = measure_point(bench, grid, (kind, L, B, s, q))
         samples += new
         for x in new:
             log.write(json.dumps([x.kind, x.batch, x.query, x.visible, x.seconds]) + "\n")

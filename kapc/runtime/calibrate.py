@@ -146,6 +146,28 @@ class Partial:
 MEASURES = ("plain", "resting", "cycle", "select", "tolerant", "acceptance")  # the grid's kinds of point
 
 
+def measure_point(bench, grid: Grid, point: tuple) -> tuple[list[StepSample], dict | None]:
+    """Measure one of `grid`'s points on `bench`: the step samples it yields, and for an
+    acceptance point the acceptance model's measurements (else None)."""
+    kind, L, B, s, q = point
+    if kind == "plain":
+        return [StepSample("plain", B, 1, L, bench.plain(L, B, grid.steps))], None
+    if kind == "resting":
+        return [StepSample("resting", B, 1, L, bench.resting(L, B, grid.steps))], None
+    if kind == "cycle":
+        c = bench.cycle(L, B, s, q, grid.steps)
+        return [StepSample("draft", B, 1, max(1, round(s * L)), c.draft),
+                StepSample("propose", B, 1, L, c.propose),
+                StepSample("verify", B, q, L, c.verify)], None
+    if kind == "select":
+        c = bench.cycle(L, B, s, q, grid.steps, access="hybrid")
+        return [StepSample("select", B, 1, L, c.select)], None
+    if kind == "tolerant":
+        c = bench.cycle(L, B, s, q, grid.steps, accept=grid.tolerant_rule)
+        return [StepSample("verify_tolerant", B, q, L, c.verify)], None
+    return [], {"acceptance": bench.acceptance(grid, L)}
+
+
 def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
               out: str | Path | None = None, base: Profile | None = None,
               only: tuple[str, ...] = MEASURES) -> tuple[Profile, Path]:
@@ -171,26 +193,7 @@ def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
             kind, L, B, s, q = point
             bar.update(task, description=f"{kind} L={L} B={B}" + (f" s={s} q={q}" if q > 1 else ""))
             t0 = time.perf_counter()
-            extra = None
-            if kind == "plain":
-                samples = [StepSample("plain", B, 1, L, bench.plain(L, B, grid.steps))]
-            elif kind == "resting":
-                samples = [StepSample("resting", B, 1, L, bench.resting(L, B, grid.steps))]
-            elif kind == "cycle":
-                c = bench.cycle(L, B, s, q, grid.steps)
-                visible = max(1, round(s * L))
-                samples = [StepSample("draft", B, 1, visible, c.draft),
-                           StepSample("propose", B, 1, L, c.propose),
-                           StepSample("verify", B, q, L, c.verify)]
-            elif kind == "select":
-                c = bench.cycle(L, B, s, q, grid.steps, access="hybrid")
-                samples = [StepSample("select", B, 1, L, c.select)]
-            elif kind == "tolerant":
-                c = bench.cycle(L, B, s, q, grid.steps, accept=grid.tolerant_rule)
-                samples = [StepSample("verify_tolerant", B, q, L, c.verify)]
-            else:
-                samples = []
-                extra = {"acceptance": bench.acceptance(grid, L)}
+            samples, extra = measure_point(bench, grid, point)
             kernel = getattr(bench, "attention_kernel", "")
             if kernel and kind != "plain":  # measured on kapc's engine, with this kernel
                 extra = {**(extra or {}), "attention_kernel": kernel}
