@@ -271,10 +271,10 @@ def test_adversarial_plans_stay_lossless(engine, cases, baseline):
     assert by["everything"]["accepted"] == by["everything"]["proposed"]
 
 
-def _write_profile(path, fingerprint: str, verify_s: float):
+def _write_profile(path, fingerprint: str, verify_s: float, tolerant: bool = False):
     """A profile for the engine's model whose steps cost plain 10 ms per row, draft 1 ms and
-    verification `verify_s` plus 10 ms per row: written by hand, to make the step policy's
-    choice known."""
+    verification `verify_s` plus 10 ms per row (with `tolerant`, top-N verification the same):
+    written by hand, to make the step policy's choice known."""
     from kapc.profile import Profile, StepFit, save_profile
 
     def fit(features, coef):
@@ -285,7 +285,9 @@ def _write_profile(path, fingerprint: str, verify_s: float):
         dtype="float32", device="cpu", threads=2, block_size=32, created="test",
         fits={"plain": fit(("1", "B", "BV"), (0.0, 0.010, 0.0)),
               "draft": fit(("1", "B", "BV"), (0.001, 0.0, 0.0)),
-              "verify": fit(("1", "B", "Bq", "BV", "BqV"), (verify_s, 0.010, 0.0, 0.0, 0.0))},
+              "verify": fit(("1", "B", "Bq", "BV", "BqV"), (verify_s, 0.010, 0.0, 0.0, 0.0)),
+              **({"verify_tolerant": fit(("1", "B", "Bq", "BV", "BqV"),
+                                         (verify_s, 0.010, 0.0, 0.0, 0.0))} if tolerant else {})},
         acceptance={}), path)
     return path
 
@@ -351,6 +353,26 @@ def test_step_policy_scales_the_profile_by_the_steps_it_times(engine, cases, bas
     assert factors["plain"] > 1.5, factors
     assert generate(engine, [cases[0].ids], [cases[0].plan],
                     max_tokens=4)[0]["profile_factors"] is None
+
+
+def test_top_n_steps_are_timed_as_their_own_kind(engine, cases, tmp_path):
+    """Steps verifying top-3 rows are timed against the profile's top-N verification, not the
+    greedy one: only `verify_tolerant` is scaled up by what the hook measured, and `verify`,
+    never run, stays as profiled."""
+    from kapc.runtime.vllm import generate
+
+    cheap = _write_profile(tmp_path / "cheap.json", cases[0].plan.header.model_fingerprint,
+                           verify_s=0.0, tolerant=True)
+    pair = [cases[0], cases[1]]
+    try:
+        engine.use_profile(cheap)
+        res = generate(engine, [c.ids for c in pair], [c.plan for c in pair],
+                       max_tokens=NEW_TOKENS, honor_predicted_loss=False, accept="top3")
+    finally:
+        engine.use_profile("none")
+    assert all(r["proposed"] > 0 for r in res)
+    factors = res[0]["profile_factors"]
+    assert factors["verify_tolerant"] > 1.5 and factors["verify"] == 1.0, factors
 
 
 def test_no_drafts_past_the_last_token_a_request_may_emit(engine, cases, baseline):
