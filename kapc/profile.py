@@ -99,6 +99,10 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
     # the attention kernel kapc's engine ran while measured (the proposer's `attention_kernel`:
     # "kapc's", or "vLLM's: <why>"); "" for profiles measured before kapc had one
     attention_kernel: str = ""
+    # what the draft forwards' matmuls read while measured (the proposer's `draft_weights`:
+    # "bfloat16 copies", or "the model's (float32): <why>"); "" for profiles measured before
+    # drafts could read anything but the model's own weights
+    draft_weights: str = ""
 
     @property
     def key(self) -> str:

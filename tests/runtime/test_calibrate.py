@@ -39,9 +39,9 @@ def test_tiny_calibration_gives_a_well_formed_profile(tmp_path):
     bench = Counting(ReferenceBench(block_size=16, max_context=1024, max_batch=2))
     # as vLLM's bench does once kapc's engine is up: every point measured on it records this, and
     # the progress lines must still print (a KeyError there once ended a vLLM calibration)
-    bench.attention_kernel = "kapc's"
+    bench.attention_kernel, bench.draft_weights = "kapc's", "bfloat16 copies"
     profile, path = calibrate(bench, TINY, resume=False, progress=False, out=tmp_path / "p.json")
-    assert profile.attention_kernel == "kapc's"
+    assert profile.attention_kernel == "kapc's" and profile.draft_weights == "bfloat16 copies"
     assert bench.calls == len(TINY.points())
     assert load_profile(path) == profile
     assert set(profile.fits) >= {"plain", "resting", "draft", "verify", "select", "verify_tolerant"}
@@ -67,21 +67,25 @@ def test_tiny_calibration_gives_a_well_formed_profile(tmp_path):
     assert not (profiles_dir() / f"{profile.key}.partial.jsonl").exists()  # done: no partial
     text = show(profile)
     assert "plain" in text and "acceptance greedy" in text
+    assert "draft forwards read: bfloat16 copies" in text
     png = plot(profile, tmp_path / "p.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # resume: with every point already in the partial file, nothing is measured again, and the
-    # attention kernel the points were measured with is kept though no engine ran this time
+    # attention kernel and draft weights the points were measured with are kept though no
+    # engine ran this time
     partial = profiles_dir() / f"{profile.key}.partial.jsonl"
     with open(partial, "w") as f:
         for point in TINY.points():
             f.write(json.dumps({"point": list(point), "samples": [],
-                                "attention_kernel": "kapc's"}) + "\n")
+                                "attention_kernel": "kapc's",
+                                "draft_weights": "bfloat16 copies"}) + "\n")
     again = Counting(bench.bench)
     resumed, _ = calibrate(again, TINY, resume=True, progress=False,
                            out=tmp_path / "again.json")
     assert again.calls == 0
     assert resumed.attention_kernel == "kapc's"
+    assert resumed.draft_weights == "bfloat16 copies"
 
     # --only select: the page-choice points alone are measured again, the rest is kept, even
     # where an interrupted full run left other points in the partial file

@@ -375,6 +375,65 @@ def test_top_n_steps_are_timed_as_their_own_kind(engine, cases, tmp_path):
     assert factors["verify_tolerant"] > 1.5 and factors["verify"] == 1.0, factors
 
 
+def _draft_copies(worker) -> dict:
+    """The proposer's draft weights; with copies, each copied layer's matmul of one input with
+    and without its copy (relative error), and how many matmuls have read a copy."""
+    import torch
+
+    from kapc.runtime.vllm import compat
+
+    p, model = worker.model_runner.drafter, worker.model_runner.model
+    copies = p._draft_copies
+    out = {"draft_weights": p.draft_weights, "hidden_layers": p.vllm_config.model_config
+           .hf_config.num_hidden_layers}
+    if copies is None:
+        out["problem"] = compat.DraftWeights.problem(model, torch.float32)
+        return out
+    out.update(calls=copies.calls, layers=copies.layers, errors=[])
+    g = torch.Generator().manual_seed(0)
+    for m in model.modules():
+        if getattr(getattr(m, "cpu_linear", None), "kapc_draft_copy", False):
+            x = torch.randn(2, m.input_size_per_partition, generator=g)
+            full = m.cpu_linear(x, None, None)
+            copies.active = True
+            try:
+                copy = m.cpu_linear(x, None, None)
+            finally:
+                copies.active = False
+            assert copy.dtype == full.dtype == torch.float32
+            out["errors"].append(float((copy - full).norm() / full.norm()))
+    copies.calls = out["calls"]  # the matmuls above were the test's, not drafts
+    return out
+
+
+def test_drafts_read_bfloat16_copies_of_the_weights(engine, cases, baseline):
+    """On a CPU with bfloat16 matmuls, every draft forward reads bfloat16 copies of all linear
+    layers and the LM head (each within bfloat16 rounding of the float32 matmul, and not equal
+    to it: the copy is really read), and greedy output stays plain vLLM's: verification reads
+    the float32 weights. Where the CPU has no bfloat16 matmuls, the statistics say so."""
+    import torch
+
+    from kapc.runtime.vllm import generate
+
+    c = cases[1]
+    (before,) = engine.llm.collective_rpc(_draft_copies)
+    (r,) = generate(engine, [c.ids], [c.plan], max_tokens=NEW_TOKENS, honor_predicted_loss=False)
+    (after,) = engine.llm.collective_rpc(_draft_copies)
+    assert r["tokens"] == baseline[1]
+    if not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
+        assert r["draft_weights"] == after["draft_weights"] == \
+            f"the model's (float32): {after['problem']}"
+        assert "no bfloat16 matmul" in after["problem"]
+        return
+    assert r["draft_weights"] == "bfloat16 copies"
+    # q, k and v, o, gate and up, down per layer, and the LM head
+    assert after["layers"] == 4 * after["hidden_layers"] + 1 == len(after["errors"])
+    assert r["proposed"] > 0 and r["timing"]["draft_forwards"] > 0
+    assert after["calls"] - before["calls"] == r["timing"]["draft_forwards"] * after["layers"]
+    assert all(1e-5 < e < 1e-2 for e in after["errors"]), after["errors"]
+    assert r["acceptance_rate"] > 0.3  # as in the batch test: the gold passages are selected
+
+
 def test_no_drafts_past_the_last_token_a_request_may_emit(engine, cases, baseline):
     """A cycle of d drafts emits at most d + 1 tokens: with max_tokens 3, the prefill emits one,
     and the one cycle left needs one draft, not the plan's k = 4."""

@@ -53,3 +53,52 @@ def test_calibration_that_cannot_fit_its_kv_cache_says_what_would(monkeypatch):
     with pytest.raises(KapcError, match=r"NUMA node 0, which has 2.5 GiB free.*--batches up to 4"):
         VllmBench(max_batch=16, max_context=7936)
     assert VllmBench(max_batch=1, max_context=2048).kv_cache_gib == 2
+
+
+def test_draft_weight_copies_are_the_weights_rounded_to_bfloat16():
+    """Layers set up by vLLM-CPU's own dispatch (which keeps each weight only inside a oneDNN
+    handle): the copy DraftWeights recovers is the weight exactly, rounded to bfloat16 (its
+    matmul equals a bfloat16 matmul of the original weight bit for bit), read only while
+    `active`; the float32 path is untouched. On a CPU without bfloat16 matmuls, `problem` says
+    so and no copies are made."""
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    from kapc.runtime.vllm.compat import DraftWeights
+
+    g = torch.Generator().manual_seed(0)
+    model, weights = torch.nn.Module(), {}
+    for name, (n, k) in {"qkv": (960, 576), "down": (576, 1536)}.items():
+        layer = torch.nn.Module()
+        layer.weight = torch.nn.Parameter(torch.randn(n, k, generator=g) / 30,
+                                          requires_grad=False)
+        layer.input_size_per_partition = k
+        weights[name] = layer.weight.detach().clone()
+        dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+        assert layer.weight.numel() == 0  # vLLM dropped it: only the handle holds it
+        model.add_module(name, layer)
+    problem = DraftWeights.problem(model, torch.float32)
+    assert "already runs in bfloat16" in DraftWeights.problem(model, torch.bfloat16)
+    if not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
+        assert "no bfloat16 matmul instructions" in problem
+        return
+    assert problem is None
+    x = {k: torch.randn(3, k, generator=g) for k in (576, 1536)}
+    full = {name: getattr(model, name).cpu_linear(x[w.shape[1]], None, None)
+            for name, w in weights.items()}
+    copies = DraftWeights(model)
+    assert copies.layers == 2 and copies.bytes == 2 * (960 * 576 + 576 * 1536)
+    assert DraftWeights(model).layers == 0  # a second setup leaves the copies alone
+    for name, w in weights.items():
+        layer, xs = getattr(model, name), x[w.shape[1]]
+        assert torch.equal(layer.cpu_linear(xs, None, None), full[name])
+        assert torch.allclose(full[name], xs @ w.t(), rtol=1e-4, atol=1e-5)
+        copies.active = True
+        got = layer.cpu_linear(xs, None, None)
+        copies.active = False
+        want = ops.onednn_mm(ops.create_onednn_mm(w.to(torch.bfloat16).t(), 32),
+                             xs.to(torch.bfloat16), None).float()
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+        assert not torch.equal(got, full[name])
+    assert copies.calls == 2

@@ -58,7 +58,8 @@ class VllmBench:
                 + (f" (--batches up to {max(fits)})" if fits else "")
                 + " or shorter contexts (--contexts)")
         self.note = "rows decode distinct prompts; plans are synthetic selections of s of a prompt"
-        self.attention_kernel = ""  # what kapc's engine runs (the proposer says, once it is up)
+        # how kapc's engine runs (calibrate.ENGINE_SETUP; the proposer says, once it is up)
+        self.attention_kernel = self.draft_weights = ""
         self._prompts = None
         self._eng = None
         self._method = None
@@ -113,7 +114,9 @@ class VllmBench:
     def _step_log(self, eng, pop: bool = True) -> list[tuple]:
         log = eng.llm.collective_rpc("kapc_step_log", kwargs={"pop": pop})[0]
         if log and not self.attention_kernel:  # the proposer has set up: it knows its kernel
-            self.attention_kernel = eng.stats(pop=False)["attention_kernel"]
+            stats = eng.stats(pop=False)
+            self.attention_kernel, self.draft_weights = (stats["attention_kernel"],
+                                                         stats["draft_weights"])
         return log
 
     def resting(self, L: int, B: int, steps: int) -> float:

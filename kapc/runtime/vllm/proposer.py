@@ -180,6 +180,9 @@ class KapProposer:
         # the attention kernel of decode, draft and verification forwards ("kapc's", or "vLLM's:"
         # and why not kapc's)
         self.attention_kernel = "not yet known (set at the first proposal)"
+        # what draft forwards' matmuls read: "bfloat16 copies", or "the model's (float32): why"
+        self.draft_weights = "not yet known (set at the first proposal)"
+        self._draft_copies: compat.DraftWeights | None = None
         self._router = None  # the page choice of the draft forward running now, if any
         # None: not yet checked that keys read back where key_bounds reads them; then True, or
         # the reason query-aware pages are off on this engine
@@ -251,13 +254,16 @@ class KapProposer:
                             "measured step times", engine_kind(runner.device.type == "cpu"))
             compat.attention_pre_hooks(self.vllm_config, self._layout, self._before_attention)
             self._install_attention_kernel()
-            measured = getattr(self._profile, "attention_kernel", None) or "vLLM's"
-            if self._profile is not None and measured.split(":")[0] \
-                    != self.attention_kernel.split(":")[0]:
-                log.warning("kapc: the calibration profile %s was measured with %s attention "
-                            "kernel and this engine runs %s: its step times do not hold here; "
-                            "run `kapc calibrate` again", self._profile.key, measured,
-                            self.attention_kernel)
+            self._install_draft_weights(runner)
+            for what, unset, running in (("attention kernel", "vLLM's", self.attention_kernel),
+                                         ("draft weights", "the model's", self.draft_weights)):
+                measured = getattr(self._profile, what.replace(" ", "_"), None) or unset
+                if self._profile is not None and measured.split(":")[0].split(" (")[0] \
+                        != running.split(":")[0].split(" (")[0]:
+                    log.warning("kapc: the calibration profile %s was measured with %s: %s; "
+                                "this engine runs %s: its step times do not hold here; run "
+                                "`kapc calibrate` again", self._profile.key, what, measured,
+                                running)
 
     def _install_attention_kernel(self) -> None:
         """Decode steps, draft forwards and verification steps (up to KERNEL_MAX_QUERY query
@@ -294,6 +300,27 @@ class KapProposer:
                                         max_query=KERNEL_MAX_QUERY, on_call=counted,
                                         on_refused=refused)
         self.attention_kernel = "kapc's"
+
+    def _install_draft_weights(self, runner) -> None:
+        """Draft forwards read bfloat16 copies of the linear weights where the engine runs
+        float32 on a CPU with bfloat16 matmuls (compat.DraftWeights): a draft at batch 1 is
+        mostly weight reads. Verification keeps the model's own weights, so outputs do not
+        change; only how often drafts are accepted may."""
+        from kapc import settings
+
+        dtype = self.vllm_config.model_config.dtype
+        problem = None if settings.reduced_draft_weights() else "KAPC_DRAFT_WEIGHTS=float32"
+        if problem is None:
+            problem = compat.DraftWeights.problem(runner.model, dtype)
+        if problem is not None:
+            self.draft_weights = f"the model's ({str(dtype).removeprefix('torch.')}): {problem}"
+        else:
+            t0 = time.perf_counter()
+            self._draft_copies = compat.DraftWeights(runner.model)
+            self.draft_weights = "bfloat16 copies"
+            log.info("kapc: drafts read bfloat16 copies of %d linear layers (%.0f MiB, made in "
+                     "%.1f s)", self._draft_copies.layers, self._draft_copies.bytes / 2**20,
+                     time.perf_counter() - t0)
 
     def _before_attention(self, layer: int, query, key) -> None:
         if self._router is not None:
@@ -514,7 +541,7 @@ class KapProposer:
         if tag is not None:
             out = {tag: out[tag]} if tag in out else {}
         res = {"requests": out, "timing": dict(self.timing), "live": len(self.states),
-               "attention_kernel": self.attention_kernel,
+               "attention_kernel": self.attention_kernel, "draft_weights": self.draft_weights,
                "policy": f"step policy, profile {self._profile.key}" if self._profile is not None
                else "each plan's own rules",
                "profile_factors": self._clock.factors() if self._clock is not None else None}
@@ -679,7 +706,8 @@ class KapProposer:
                     self._runner, self.vllm_config, self._layout, tables=[v[0] for v in views],
                     seq_lens=[v[1] for v in views], slots=[v[2] for v in views],
                     positions=[rows[i][2] + step for i in live], token_ids=[cur[i] for i in live],
-                    step=step, on_block_table=bind if self._router is not None else None)
+                    step=step, on_block_table=bind if self._router is not None else None,
+                    weights=self._draft_copies)
             finally:
                 self._router = None
             if bind is not None and self._key_layout is None and self._key_probe is not None:
