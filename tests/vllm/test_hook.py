@@ -79,7 +79,10 @@ def test_plans_of_another_block_size_run_on_the_engine_blocks(engine, cases, bas
     b = cases[1]
     n = 24
     plans = [other_block_plans[16], other_block_plans[64]]
-    res = generate(engine, [b.ids, b.ids], plans, max_tokens=n, honor_predicted_loss=False)
+    # what is shown is the subject here, not whether it pays: a 16-token plan's view accepts
+    # about 0.3, at the acceptance floor (bfloat16 drafts put it at 0.28 in one CI run)
+    res = generate(engine, [b.ids, b.ids], plans, max_tokens=n, honor_predicted_loss=False,
+                   min_acceptance=False)
     bs = engine.block_size
     P = len(b.ids)
     for r, plan in zip(res, plans):
