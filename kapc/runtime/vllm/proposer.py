@@ -255,15 +255,21 @@ class KapProposer:
             compat.attention_pre_hooks(self.vllm_config, self._layout, self._before_attention)
             self._install_attention_kernel()
             self._install_draft_weights(runner)
-            for what, unset, running in (("attention kernel", "vLLM's", self.attention_kernel),
-                                         ("draft weights", "the model's", self.draft_weights)):
-                measured = getattr(self._profile, what.replace(" ", "_"), None) or unset
-                if self._profile is not None and measured.split(":")[0].split(" (")[0] \
-                        != running.split(":")[0].split(" (")[0]:
-                    log.warning("kapc: the calibration profile %s was measured with %s: %s; "
-                                "this engine runs %s: its step times do not hold here; run "
-                                "`kapc calibrate` again", self._profile.key, what, measured,
-                                running)
+            self._warn_of_another_setup()
+
+    def _warn_of_another_setup(self) -> None:
+        """A profile measured with another attention kernel or other draft weights than this
+        engine runs does not price its steps: say so."""
+        if self._profile is None:
+            return
+        # what a profile from before the field existed was measured with
+        for name, unset in (("attention_kernel", "vLLM's"), ("draft_weights", "the model's")):
+            measured, running = getattr(self._profile, name) or unset, getattr(self, name)
+            if setup_gist(measured) != setup_gist(running):
+                log.warning("kapc: the calibration profile %s was measured with %s: %s; this "
+                            "engine runs %s: its step times do not hold here; run `kapc "
+                            "calibrate` again", self._profile.key, name.replace("_", " "),
+                            measured, running)
 
     def _install_attention_kernel(self) -> None:
         """Decode steps, draft forwards and verification steps (up to KERNEL_MAX_QUERY query
@@ -774,6 +780,12 @@ class KapProposer:
 
 
 # ---- the pure parts (tested without an engine) ---------------------------------------------
+
+def setup_gist(setup: str) -> str:
+    """What an engine setting says without its reasons: "vLLM's: no compiler" -> "vLLM's",
+    "the model's (float32): ..." -> "the model's"."""
+    return setup.split(":")[0].split(" (")[0]
+
 
 def compact_row(selected: np.ndarray, blocks, tail_block: int, pos: int,
                 block_size: int) -> tuple[list[int], int, int]:
