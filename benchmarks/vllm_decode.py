@@ -247,6 +247,16 @@ class EngineProcess:
             self.pool.shutdown()
 
 
+def forecast_gist(totals: dict, forecast_tokens: float | None, tokens: int) -> str:
+    """Observed over predicted seconds per step kind over a run, and predicted over emitted
+    tokens: which term of the step policy's forecast was off."""
+    parts = [f"{kind} {t['observed_s']:.1f}/{t['predicted_s']:.1f}s ({t['steps']})"
+             for kind, t in totals.items()]
+    if forecast_tokens:
+        parts.append(f"tokens {forecast_tokens:.0f}/{tokens}")
+    return ", ".join(parts)
+
+
 def has_plans(method: str) -> bool:
     return method.startswith("kapc") and method != "kapc-none"
 
@@ -303,6 +313,10 @@ def run_rows(eng, label, cases, batches, args, with_plans: bool):
                 row["pred_run"] = tm["plain_forecast_s"] / forecast if forecast else None
                 # the step policy's profile factors at the end (observed over profiled times)
                 row["profile_factors"] = res[0].get("profile_factors")
+                # where the forecast went wrong: seconds observed against predicted per step kind,
+                # and the tokens the step policy expected against those emitted
+                row["step_totals"] = res[0].get("step_totals")
+                row["forecast_tokens"] = tm.get("forecast_tokens")
                 row.update(propose_s=tm.get("propose_s"), select_s=tm.get("select_s"),
                            draft_forwards=tm.get("draft_forwards"),
                            verify_steps=max((r["cycles"] for r in res), default=0) + 1)
@@ -318,6 +332,8 @@ def run_rows(eng, label, cases, batches, args, with_plans: bool):
                     f"{row['draft_forwards']} draft forwards ({row['select_s'] or 0:.2f}s choosing "
                     f"pages), {row['verify_steps']} engine steps"
                     + (f"; profile x{row['profile_factors']}" if row["profile_factors"] else "")
+                    + (f"; forecast {forecast_gist(row['step_totals'], row['forecast_tokens'], ntok)}"
+                       if row["step_totals"] else "")
                     if with_plans else ""))
     return rows
 

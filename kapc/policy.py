@@ -253,6 +253,12 @@ def engine_step(profile, queries: Sequence[int], contexts: Sequence[float],
         "BqV": float(sum(q * v for q, v in zip(queries, contexts)))})
 
 
+def step_tokens(drafting: list[DraftRow], others: list[int]) -> float:
+    """The tokens one step is expected to emit: each drafting row's accepted drafts and the
+    token its verification adds, one token from each of the others."""
+    return sum(tokens_per_cycle(r.p, r.k) for r in drafting) + len(others)
+
+
 def step_forecast(profile, drafting: list[DraftRow], others: list[int]) -> tuple[float, float]:
     """What the profile expects of one step in which each of `drafting` drafts its k and the
     `others` decode one token: (seconds, seconds the engine's unplanned decoding would take for as
@@ -261,7 +267,7 @@ def step_forecast(profile, drafting: list[DraftRow], others: list[int]) -> tuple
     B = len(drafting) + len(others)
     if B == 0:
         return 0.0, 0.0
-    tokens = sum(tokens_per_cycle(r.p, r.k) for r in drafting) + len(others)
+    tokens = step_tokens(drafting, others)
     mean_L = (sum(r.context for r in drafting) + sum(others)) / B
     seconds = step_cost(profile, list(drafting), others)
     return seconds, tokens * unplanned_step(profile, B, mean_L) / B
@@ -332,6 +338,9 @@ class StepClock:
         self._sampled_at: dict[str, int] = {}  # kind: the step it was last asked for
         # what whole steps delivered, with and without drafts: (tokens, seconds, n), decayed
         self._rates: dict[bool, tuple[float, float, float]] = {}
+        # kind: [observed, predicted seconds, steps] since the last `take_totals`, undecayed and
+        # unclipped: which term of the cycle a run's forecast got wrong, and by how much
+        self._totals: dict[str, list[float]] = {}
 
     def tick(self) -> None:
         """One engine step has passed: older observations weigh less."""
@@ -380,6 +389,10 @@ class StepClock:
         factor little and a profile far off still converges, by steps."""
         if predicted <= 0:
             return
+        total = self._totals.setdefault(kind, [0.0, 0.0, 0])
+        total[0] += observed
+        total[1] += predicted
+        total[2] += 1
         f = self.factor(kind)
         observed = min(max(observed, predicted * f / 4), predicted * f * 4)
         o, p, n = self._sums.get(kind, (0.0, 0.0, 0.0))
@@ -397,6 +410,15 @@ class StepClock:
             return fallback
         mean = p / n  # the prior's observations are typical ones, at the fallback factor
         return (o + self.prior * mean * fallback) / (p + self.prior * mean)
+
+    def totals(self, reset: bool = False) -> dict[str, dict]:
+        """Per kind, the seconds observed and predicted since counting began, and the steps;
+        with `reset`, counting begins anew."""
+        out = {kind: {"observed_s": o, "predicted_s": p, "steps": n}
+               for kind, (o, p, n) in sorted(self._totals.items())}
+        if reset:
+            self._totals = {}
+        return out
 
     def factors(self) -> dict[str, float]:
         """Every profiled kind's factor, rounded, for the runtime's statistics."""

@@ -315,6 +315,7 @@ def generate(engine: KapEngine, prompts_token_ids, plans=None, max_tokens: int =
         results[0]["timing"] = stats.get("timing", {})
         results[0]["policy"] = stats.get("policy")
         results[0]["profile_factors"] = stats.get("profile_factors")
+        results[0]["step_totals"] = stats.get("step_totals")
         results[0]["attention_kernel"] = stats.get("attention_kernel")
         results[0]["draft_weights"] = stats.get("draft_weights")
     return results

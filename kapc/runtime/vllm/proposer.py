@@ -37,6 +37,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -82,6 +83,18 @@ def attention_problems(hf_config) -> list[str]:
 
 
 _serials = itertools.count(1)
+
+
+class _PendingStep(NamedTuple):
+    """The engine step a `propose` call leaves behind, as far as the call knows it, to time
+    against the profile at the next call."""
+
+    called: float  # perf_counter at the call's entry
+    left: float  # ... and at its return: the engine step runs from here
+    req_ids: tuple  # the batch's rows, in order
+    queries: list[int]  # query tokens per row in the step (drafts + 1)
+    contexts: list[int]  # context tokens per row
+    tolerant: bool  # some row's drafts are checked by top-N acceptance
 
 
 @dataclass
@@ -161,9 +174,7 @@ class KapProposer:
         # the profile scaled by the step times this engine measures (kapc.policy.StepClock):
         # what the step policy decides with; None without a profile or with online=False
         self._clock = None
-        # the engine step after this call, as far as the call knows it: (left, request ids,
-        # query tokens, context tokens per row), to time against the profile at the next call
-        self._pending = None
+        self._pending: _PendingStep | None = None  # the engine step after the last call
         self._fingerprint: str | None | bool = False  # False: not computed yet; None: failed
         self._fingerprint_error = ""
         self.states: dict[str, _ReqState] = {}  # by vLLM request id
@@ -171,10 +182,12 @@ class KapProposer:
         # the newest KEPT_FINISHED
         self.finished: OrderedDict[str, dict] = OrderedDict()
         self._compiler: PlanCompiler | None = None  # priors compiled at admission
-        # forecast_s / plain_forecast_s: the profile's view of the steps that ran (step policy)
+        # forecast_s / plain_forecast_s / forecast_tokens: the profile's view of the steps that
+        # ran (step policy), at the acceptance it estimated
         # select_s / select_choices: query-aware page choice (dynamic and hybrid access)
         self.timing = {"propose_s": 0.0, "draft_forwards": 0, "draft_rows": 0, "calls": 0,
-                       "forecast_s": 0.0, "plain_forecast_s": 0.0, "select_s": 0.0,
+                       "forecast_s": 0.0, "plain_forecast_s": 0.0, "forecast_tokens": 0.0,
+                       "select_s": 0.0,
                        "select_choices": 0, "kernel_steps": 0, "rest_samples": 0,
                        "held_by_rate": 0}
         # the attention kernel of decode, draft and verification forwards ("kapc's", or "vLLM's:"
@@ -550,7 +563,9 @@ class KapProposer:
                "attention_kernel": self.attention_kernel, "draft_weights": self.draft_weights,
                "policy": f"step policy, profile {self._profile.key}" if self._profile is not None
                else "each plan's own rules",
-               "profile_factors": self._clock.factors() if self._clock is not None else None}
+               "profile_factors": self._clock.factors() if self._clock is not None else None,
+               # observed against predicted seconds per step kind since the last pop
+               "step_totals": self._clock.totals(reset=pop) if self._clock is not None else None}
         if pop:
             self.finished.clear()
             self.timing = {k: 0 if isinstance(v, int) else 0.0 for k, v in self.timing.items()}
@@ -611,9 +626,11 @@ class KapProposer:
             if rows and "propose" in self._profile.fits:  # the call less its forwards
                 self._clock.record("propose", t1 - t0 - self._forward_s,
                                    self._profile.seconds("propose", len(rows), 0))
-            self._pending = (t0, t1, tuple(req_ids[:n_rows]), [len(d) + 1 for d in out],
-                             [int(num_tokens_no_spec[row]) for row in range(n_rows)],
-                             any(out[row] and st.topn > 1 for row, st, *_ in rows))
+            self._pending = _PendingStep(
+                called=t0, left=t1, req_ids=tuple(req_ids[:n_rows]),
+                queries=[len(d) + 1 for d in out],
+                contexts=[int(num_tokens_no_spec[row]) for row in range(n_rows)],
+                tolerant=any(out[row] and st.topn > 1 for row, st, *_ in rows))
         self.timing["propose_s"] += t1 - t0
         self.timing["calls"] += 1
         self.step_log.append((t0, t1, n_rows, len(rows), max((r[4] for r in rows), default=0),
@@ -629,20 +646,23 @@ class KapProposer:
 
         pending, self._pending = self._pending, None
         self._clock.tick()
-        if pending is None or tuple(req_ids) != pending[2] \
+        if pending is None or tuple(req_ids) != pending.req_ids \
                 or not all(len(t) for t in sampled_token_ids):
             return
-        called, left, _, queries, contexts, tolerant = pending
-        drafted = any(q > 1 for q in queries)
-        kind = verify_kind(self._profile, tolerant) if drafted else resting_kind(self._profile)
-        self._clock.record(kind, entered - left,
-                           engine_step(self._profile, queries, contexts, tolerant))
-        self._clock.record_step(drafted, sum(len(t) for t in sampled_token_ids), entered - called)
+        drafted = any(q > 1 for q in pending.queries)
+        kind = verify_kind(self._profile, pending.tolerant) if drafted \
+            else resting_kind(self._profile)
+        self._clock.record(kind, entered - pending.left,
+                           engine_step(self._profile, pending.queries, pending.contexts,
+                                       pending.tolerant))
+        self._clock.record_step(drafted, sum(len(t) for t in sampled_token_ids),
+                                entered - pending.called)
 
     def _plan_step(self, rows, num_tokens_no_spec, n_rows):
         """Keep, and cap the drafts of, the rows whose drafting pays for the whole batch this
         step (kapc.policy.plan_step, from the profile and each row's observed acceptance)."""
-        from kapc.policy import DraftRow, estimated_p, plan_step, resting_kind, step_forecast
+        from kapc.policy import (DraftRow, estimated_p, plan_step, resting_kind, step_forecast,
+                                 step_tokens)
 
         def as_draft_row(st, P, budget):
             return DraftRow(p=estimated_p(st.prior_p, st.accepted, st.tried), k=budget,
@@ -673,10 +693,11 @@ class KapProposer:
                 st.held += 1
                 others.append(P + 1)
         kept.sort(key=lambda r: r[0])
-        seconds, plain = step_forecast(self._profile,
-                                       [as_draft_row(st, P, b) for _, st, P, _, b in kept], others)
+        drafting = [as_draft_row(st, P, b) for _, st, P, _, b in kept]
+        seconds, plain = step_forecast(self._profile, drafting, others)
         self.timing["forecast_s"] += seconds
         self.timing["plain_forecast_s"] += plain
+        self.timing["forecast_tokens"] += step_tokens(drafting, others)
         return kept
 
     def _draft(self, rows, token_ids_cpu) -> list[list[int]]:
