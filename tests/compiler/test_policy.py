@@ -12,7 +12,7 @@ import pytest
 from kapc.lower.kapb import CostPrediction, FallbackPolicy, PlanHeader
 from kapc.policy import (AcceptanceMonitor, DraftRow, PolicyError, StepClock, accepted_prefix,
                          acceptance_rate, admit, engine_blocks, engine_step, estimated_p, parse_accept, plan_step, predict,
-                         predicted_speedup, step_cost, step_forecast, tokens_per_cycle, unplanned_step,
+                         predicted_speedup, step_cost, step_forecast, step_tokens, tokens_per_cycle, unplanned_step,
                          visible_tokens)
 from kapc.profile import (AcceptanceFit, Profile, StepFit, StepSample, fit_acceptance, fit_steps,
                           load_profile, save_profile)
@@ -462,3 +462,28 @@ def test_compact_predicts_query_aware_plans_from_their_own_acceptance_model(ctx,
     m = compile_module(prior, head + f"compact{{k=4,profile={only_static},access=hybrid}}",
                        ctx).module
     assert m.cost.p == pytest.approx(0.5)
+
+
+def test_the_clock_totals_each_kind_over_a_run_undecayed_and_unclipped():
+    """What a run's forecast got wrong, kind by kind: the factors decay and clip a step at 4x
+    (so that one pause moves them little); the totals are the plain sums, and reset on demand."""
+    clock = StepClock(known_profile())
+    clock.record("draft", 0.030, 0.020)
+    clock.tick()
+    clock.record("draft", 0.500, 0.020)  # a pause: 25x the prediction, clipped in the factor
+    clock.record("verify", 0.100, 0.090)
+    assert clock.factor("draft") < 4.0
+    totals = clock.totals()
+    assert totals["draft"] == pytest.approx({"observed_s": 0.530, "predicted_s": 0.040, "steps": 2})
+    assert totals["verify"] == pytest.approx({"observed_s": 0.100, "predicted_s": 0.090, "steps": 1})
+    assert clock.totals(reset=True) == totals
+    assert clock.totals() == {}
+    clock.record("draft", 0.010, 0.020)
+    assert clock.totals()["draft"]["steps"] == 1
+
+
+def test_a_step_is_expected_to_emit_each_drafting_rows_accepted_drafts_and_one_token_each():
+    rows = [DraftRow(p=0.8, k=3, s=0.1, context=4096), DraftRow(p=0.5, k=2, s=0.1, context=4096)]
+    assert step_tokens(rows, [4096, 4096]) == pytest.approx(
+        tokens_per_cycle(0.8, 3) + tokens_per_cycle(0.5, 2) + 2)
+    assert step_tokens([], [4096]) == 1

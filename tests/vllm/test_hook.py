@@ -354,6 +354,12 @@ def test_step_policy_scales_the_profile_by_the_steps_it_times(engine, cases, bas
     assert factors["draft"] > 2 and factors["verify"] > 1.5, factors
     # plain (resting) steps follow verification until seen
     assert factors["plain"] > 1.5, factors
+    # the run's totals, kind by kind, say where the forecast went wrong: here drafts
+    totals = res[0]["step_totals"]
+    assert totals["draft"]["steps"] > 0 and totals["verify"]["steps"] > 0, totals
+    assert totals["draft"]["observed_s"] > 2 * totals["draft"]["predicted_s"], totals
+    tokens = res[0]["timing"]["forecast_tokens"]
+    assert 0 < tokens <= sum(r["generated_tokens"] for r in res) + 2 * NEW_TOKENS, tokens
     assert generate(engine, [cases[0].ids], [cases[0].plan],
                     max_tokens=4)[0]["profile_factors"] is None
 
