@@ -338,7 +338,7 @@ class StepClock:
         self._sampled_at: dict[str, int] = {}  # kind: the step it was last asked for
         # what whole steps delivered, with and without drafts: (tokens, seconds, n), decayed
         self._rates: dict[bool, tuple[float, float, float]] = {}
-        # kind: [observed, predicted seconds, steps] since the last `take_totals`, undecayed and
+        # kind: [observed, predicted seconds, steps] since `totals(reset=True)`, undecayed and
         # unclipped: which term of the cycle a run's forecast got wrong, and by how much
         self._totals: dict[str, list[float]] = {}
 

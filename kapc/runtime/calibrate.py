@@ -45,9 +45,9 @@ class Grid:
     # q up to MAX_AUTO_K + 1, so that k=auto never chooses past what was timed
     pairs: tuple[tuple[float, int], ...] = ((0.05, 2), (0.1, 3), (0.2, 5), (0.4, 9))
     # the pages the timed cycles' drafts read: the compiler's default access policy, so that a
-    # cycle costs what the plans users run cost. Timed with static pages, a draft at 8K x 8 was
-    # fitted at 61 ms where hybrid plans' drafts took 75, and a call's own work (their page
-    # router, rows' views) at 0.5 ms where it took 23: the forecast ran 16% optimistic
+    # cycle costs what the plans users run cost. Timed on static pages, a draft at 8K x 8 was
+    # fitted at 61 ms where hybrid plans' drafts took 75, and the step policy's forecast ran
+    # 16% optimistic (docs/cost-model.md, stop 29)
     draft_access: str = "hybrid"
     # (s, q) of the query-aware run per (L, B) that times page choice; None: not measured
     select_pair: tuple[float, int] | None = (0.1, 5)
