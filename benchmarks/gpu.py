@@ -78,10 +78,11 @@ def main(argv=None) -> int:
     # no page-choice or acceptance points (the reference executor's page choice is not what a GPU
     # engine would run; random weights accept nothing meaningful), and top-3 verification at two
     # of the greedy q's only (enough points for its fit): the run must fit its time budget. So
-    # the cycles' drafts read static pages too
+    # the cycles' drafts read static pages too, and time no resting steps beside them (the
+    # executor's resting step is its plain step, timed once per point)
     grid = Grid(contexts=tuple(contexts), batches=tuple(batches), pairs=pairs, steps=args.steps,
                 acceptance_questions=0, select_pair=None, tolerant_pairs=((0.1, 4), (0.2, 8)),
-                draft_access="static")
+                draft_access="static", rest_beside_cycles=False)
     print(f"benchmarks.gpu: {m.name} ({sum(p.numel() for p in m.hf.parameters()) / 1e9:.1f}B "
           f"params, {args.dtype}) on {torch.cuda.get_device_name() if args.device == 'cuda' else args.device}; "
           f"KV pool {kv_gib:.0f} GiB", flush=True)

@@ -35,7 +35,8 @@ times, alternating; the row is the median, with the spread of the N), its ratio 
 median of the ratios paired by repeat), s (retained ratio), h (measured acceptance), tokens per verification, whether the tokens equal `full`'s, the
 plan's predicted speedup (`pred(plan)`, at compile time) and, when the engine decides each step
 from a calibration profile, that profile's forecast of the steps that ran (`pred(run)`: the
-step policy's choices at the acceptance it estimated; docs/cost-model.md).
+step policy's choices at the acceptance it estimated, with the prefill's seconds, which a run
+without plans spends alike, at what they took; `kapc.policy.run_forecast`, docs/cost-model.md).
 With `--baseline shared`, `full` runs on the hook's engine with no plans (the requests get no
 proposals) instead of a separate plain engine, which saves one prefill of every prompt on slow
 machines.
@@ -273,7 +274,7 @@ def variant_of(method: str) -> tuple[str, str | None]:
 
 def run_rows(eng, label, cases, batches, args, with_plans: bool):
     from kapc.lower.kapb import decode_plan
-    from kapc.policy import predicted_speedup
+    from kapc.policy import predicted_speedup, run_forecast
     from kapc.runtime.vllm import generate
 
     rows = []
@@ -308,9 +309,10 @@ def run_rows(eng, label, cases, batches, args, with_plans: bool):
                            pred_auto=sum(p.header.cost.speedup for p in pl) / b)
                 kv = sum(p.header.cost.kv_bytes for p in pl) / b
                 tm = res[0].get("timing", {})
-                forecast = tm.get("forecast_s") or 0.0
                 # the step policy's forecast of what ran (a profile in use), else None
-                row["pred_run"] = tm["plain_forecast_s"] / forecast if forecast else None
+                row["pred_run"] = run_forecast(tm.get("forecast_s") or 0.0,
+                                               tm.get("plain_forecast_s") or 0.0,
+                                               tm.get("unforecast_s") or 0.0)
                 # the step policy's profile factors at the end (observed over profiled times)
                 row["profile_factors"] = res[0].get("profile_factors")
                 # where the forecast went wrong: seconds observed against predicted per step kind,

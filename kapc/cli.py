@@ -291,7 +291,8 @@ def calibrate(
     resume: Annotated[bool, typer.Option(help="Continue an interrupted calibration.")] = True,
     only: Annotated[Optional[str], typer.Option(
         help="Measure only these kinds of point again (comma-separated: plain, resting, cycle, "
-             "select, tolerant, acceptance), keeping the rest of this engine's profile.")] = None,
+             "select, tolerant, acceptance; cycle times resting steps too), keeping the rest "
+             "of this engine's profile.")] = None,
     show: Annotated[bool, typer.Option(help="Print the profiles found (or --profile) and exit.")] = False,
     profile: Annotated[Optional[Path], typer.Option(help="With --show: this profile file.")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="Write measured-against-fitted step times as PNG.")] = None,

@@ -2,13 +2,13 @@
 small model of it (`kapc.profile`), and save a profile the compiler predicts plans with.
 
 The grid: context lengths L x batch sizes B, at each a plain step of the engine users would
-otherwise run, a step of kapc's engine with no drafts (`resting`), and for each (s, q) pair one
-run of synthetic plans that keep s of the prompt and verify q = k+1 tokens, which yields the
-draft forward, the proposer's overhead and the verification step, a few such runs verified by
-top-3 acceptance (`tolerant`), which time top-N verification (`verify_tolerant`: a top-N over the
-vocabulary per draft position before vLLM's rejection sampler), and one run of plans whose
-pages the query chooses each cycle (hybrid access, the compiler's default), which yields the page
-choice's cost (`select`). Row r of every batch decodes
+otherwise run, a step of kapc's engine with no drafts (`resting`), and for each (s, q) pair
+resting steps again and one run of synthetic plans that keep s of the prompt and verify q = k+1
+tokens, which yields the draft forward, the proposer's overhead and the verification step, a few
+such runs verified by top-3 acceptance (`tolerant`), which time top-N verification
+(`verify_tolerant`: a top-N over the vocabulary per draft position before vLLM's rejection
+sampler), and one run of plans whose pages the query chooses each cycle (hybrid access, the
+compiler's default), which yields the page choice's cost (`select`). Row r of every batch decodes
 its own long HotpotQA prompt (question 5 + 7r, padded with hard negatives), cut to L tokens: rows
 never share KV (a first measurement with one prompt shared by every row made an 8K step look
 2.4x cheaper than real batches are), and since every L is a prefix of the longest, one prefill of
@@ -49,6 +49,9 @@ class Grid:
     # fitted at 61 ms where hybrid plans' drafts took 75, and the step policy's forecast ran
     # 16% optimistic (docs/cost-model.md, stop 29)
     draft_access: str = "hybrid"
+    # time a resting step beside each cycle (see measure_point), so `--only cycle` refreshes the
+    # resting fit too and both are measured in the same hour
+    rest_beside_cycles: bool = True
     # (s, q) of the query-aware run per (L, B) that times page choice; None: not measured
     select_pair: tuple[float, int] | None = (0.1, 5)
     # (s, q) of the runs per (L, B) that time top-N verification (rule `tolerant_rule`); a
@@ -162,11 +165,16 @@ def measure_point(bench, grid: Grid, point: tuple) -> tuple[list[StepSample], di
     if kind == "resting":
         return [StepSample("resting", B, 1, L, bench.resting(L, B, grid.steps))], None
     if kind == "cycle":
+        # resting steps timed beside every cycle: a plan is priced against them, and a resting
+        # step timed once per (L, B), an hour or a day from the cycles, put this machine's drift
+        # into every forecast (8K x 8: fitted at 264 ms, run at 236 an hour after the cycles)
+        rest = bench.resting(L, B, grid.steps) if grid.rest_beside_cycles else None
         c = bench.cycle(L, B, s, q, grid.steps, access=grid.draft_access)
         chose = [StepSample("select", B, 1, L, c.select)] if c.select > 0 else []
+        rested = [StepSample("resting", B, 1, L, rest)] if rest is not None else []
         return [StepSample("draft", B, 1, max(1, round(s * L)), c.draft),
                 StepSample("propose", B, 1, L, c.propose),
-                StepSample("verify", B, q, L, c.verify)] + chose, None
+                StepSample("verify", B, q, L, c.verify)] + chose + rested, None
     if kind == "select":
         c = bench.cycle(L, B, s, q, grid.steps, access="hybrid")
         return [StepSample("select", B, 1, L, c.select)], None

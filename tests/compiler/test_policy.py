@@ -12,7 +12,7 @@ import pytest
 from kapc.lower.kapb import CostPrediction, FallbackPolicy, PlanHeader
 from kapc.policy import (AcceptanceMonitor, DraftRow, PolicyError, StepClock, accepted_prefix,
                          acceptance_rate, admit, engine_blocks, engine_step, estimated_p, parse_accept, plan_step, predict,
-                         predicted_speedup, step_cost, step_forecast, step_tokens, tokens_per_cycle, unplanned_step,
+                         predicted_speedup, run_forecast, step_cost, step_forecast, step_tokens, tokens_per_cycle, unplanned_step,
                          visible_tokens)
 from kapc.profile import (AcceptanceFit, Profile, StepFit, StepSample, fit_acceptance, fit_steps,
                           load_profile, save_profile)
@@ -487,3 +487,13 @@ def test_a_step_is_expected_to_emit_each_drafting_rows_accepted_drafts_and_one_t
     assert step_tokens(rows, [4096, 4096]) == pytest.approx(
         tokens_per_cycle(0.8, 3) + tokens_per_cycle(0.5, 2) + 2)
     assert step_tokens([], [4096]) == 1
+
+
+def test_a_runs_forecast_counts_the_steps_it_did_not_forecast_on_both_sides():
+    # 10 s forecast for what 15 s of unplanned steps would emit: 1.5x; with a 2 s prefill that
+    # both runs spend, (15 + 2) / (10 + 2)
+    assert run_forecast(10.0, 15.0) == pytest.approx(1.5)
+    assert run_forecast(10.0, 15.0, 2.0) == pytest.approx(17 / 12)
+    # a predicted loss stays a loss, only nearer 1
+    assert 1 > run_forecast(10.0, 8.0, 2.0) > run_forecast(10.0, 8.0)
+    assert run_forecast(0.0, 5.0, 1.0) is None

@@ -42,7 +42,9 @@ def test_tiny_calibration_gives_a_well_formed_profile(tmp_path):
     bench.attention_kernel, bench.draft_weights = "kapc's", "bfloat16 copies"
     profile, path = calibrate(bench, TINY, resume=False, progress=False, out=tmp_path / "p.json")
     assert profile.attention_kernel == "kapc's" and profile.draft_weights == "bfloat16 copies"
-    assert bench.calls == len(TINY.points())
+    # every cycle point times resting steps beside it (rest_beside_cycles)
+    cycles = sum(pt[0] == "cycle" for pt in TINY.points())
+    assert TINY.rest_beside_cycles and bench.calls == len(TINY.points()) + cycles
     assert load_profile(path) == profile
     assert set(profile.fits) >= {"plain", "resting", "draft", "verify", "select", "verify_tolerant"}
     for fit in profile.fits.values():
@@ -55,6 +57,7 @@ def test_tiny_calibration_gives_a_well_formed_profile(tmp_path):
     assert TINY.draft_access == "hybrid"
     assert kinds.count("plain") == 4 and kinds.count("verify") == 8
     assert kinds.count("select") == 4 + 8
+    assert kinds.count("resting") == 4 + cycles
     assert kinds.count("verify_tolerant") == 8 and profile.seconds("verify_tolerant", 2, 512, 3) > 0
     # query-aware page choice costs something, and no less over longer prompts
     assert 0 < profile.seconds("select", 2, 256) <= profile.seconds("select", 2, 4096)

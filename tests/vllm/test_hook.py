@@ -360,6 +360,10 @@ def test_step_policy_scales_the_profile_by_the_steps_it_times(engine, cases, bas
     assert totals["draft"]["observed_s"] > 2 * totals["draft"]["predicted_s"], totals
     tokens = res[0]["timing"]["forecast_tokens"]
     assert 0 < tokens <= sum(r["generated_tokens"] for r in res) + 2 * NEW_TOKENS, tokens
+    # the seconds before the first forecast step (the prefill's) are measured, and are part of
+    # the batch's wall time
+    unforecast = res[0]["timing"]["unforecast_s"]
+    assert 0 < unforecast < res[0]["batch_s"], (unforecast, res[0]["batch_s"])
     assert generate(engine, [cases[0].ids], [cases[0].plan],
                     max_tokens=4)[0]["profile_factors"] is None
 

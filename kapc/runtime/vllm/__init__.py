@@ -278,10 +278,15 @@ def generate(engine: KapEngine, prompts_token_ids, plans=None, max_tokens: int =
                            access=acc)
            for pl, t, hon, acc in zip(plans, tags, honor, accesses)]
     engine.stats(pop=True)
+    began = time.monotonic()
     t0 = time.perf_counter()
     outs = engine.llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
     wall = time.perf_counter() - t0
     stats = engine.stats(pop=True)
+    timing = stats.get("timing", {})
+    if timing.get("forecast_from"):
+        # the batch's seconds before the step policy's first forecast step: its prefill
+        timing["unforecast_s"] = max(0.0, timing.pop("forecast_from") - began)
     reqs = stats.get("requests", {})
     results = []
     for i, (o, tag) in enumerate(zip(outs, tags)):
@@ -312,7 +317,7 @@ def generate(engine: KapEngine, prompts_token_ids, plans=None, max_tokens: int =
         }
         results.append(r)
     if results:
-        results[0]["timing"] = stats.get("timing", {})
+        results[0]["timing"] = timing
         results[0]["policy"] = stats.get("policy")
         results[0]["profile_factors"] = stats.get("profile_factors")
         results[0]["step_totals"] = stats.get("step_totals")

@@ -183,10 +183,13 @@ class KapProposer:
         self.finished: OrderedDict[str, dict] = OrderedDict()
         self._compiler: PlanCompiler | None = None  # priors compiled at admission
         # forecast_s / plain_forecast_s / forecast_tokens: the profile's view of the steps that
-        # ran (step policy), at the acceptance it estimated
+        # ran (step policy), at the acceptance it estimated; forecast_from: when the first of
+        # them began (time.monotonic, which generate() shares), so that the steps before it (the
+        # prefill's) count in a run's forecast at what they took (policy.run_forecast)
         # select_s / select_choices: query-aware page choice (dynamic and hybrid access)
         self.timing = {"propose_s": 0.0, "draft_forwards": 0, "draft_rows": 0, "calls": 0,
                        "forecast_s": 0.0, "plain_forecast_s": 0.0, "forecast_tokens": 0.0,
+                       "forecast_from": 0.0,
                        "select_s": 0.0,
                        "select_choices": 0, "kernel_steps": 0, "rest_samples": 0,
                        "held_by_rate": 0}
@@ -607,6 +610,8 @@ class KapProposer:
         if self._clock is not None:
             self._time_engine_step(t0, req_ids[:n_rows], sampled_token_ids)
         if self._profile is not None:
+            if not self.timing["forecast_from"]:
+                self.timing["forecast_from"] = time.monotonic() - (time.perf_counter() - t0)
             rows = self._plan_step(rows, num_tokens_no_spec, n_rows)
         self._forward_s = self._select_s = 0.0
         self._draft_predicted = self._select_predicted = 0.0
