@@ -294,7 +294,10 @@ def calibrate(
              "select, tolerant, acceptance; cycle times resting steps too), keeping the rest "
              "of this engine's profile.")] = None,
     show: Annotated[bool, typer.Option(help="Print the profiles found (or --profile) and exit.")] = False,
-    profile: Annotated[Optional[Path], typer.Option(help="With --show: this profile file.")] = None,
+    refit: Annotated[bool, typer.Option(
+        help="Fit the step models of the profiles found (or --profile) again from their own "
+             "samples, as this kapc fits them, and exit: measures nothing.")] = False,
+    profile: Annotated[Optional[Path], typer.Option(help="With --show or --refit: this profile file.")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="Write measured-against-fitted step times as PNG.")] = None,
     output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Where to write the profile (default: the cache).")] = None,
 ) -> None:
@@ -306,13 +309,18 @@ def calibrate(
     kinds = tuple(x.strip() for x in only.split(",") if x.strip()) if only is not None else MEASURES
     if not kinds or any(k not in MEASURES for k in kinds):
         raise KapcError(f"--only takes {', '.join(MEASURES)} (comma-separated), not {only!r}")
-    if show:
+    if show or refit:
+        from kapc.profile import refitted, save_profile
+
         files = [profile] if profile else sorted(profiles_dir().glob("*.json"))
         if not files:
             raise KapcError(f"no profiles in {profiles_dir()}; run kapc calibrate")
         for f in files:
             p = load_profile(f)
-            typer.echo(f"{f}\n{show_profile(p)}\n")
+            if refit:
+                p = refitted(p)
+                save_profile(p, f)
+            typer.echo(f"{f}{' (fitted again)' if refit else ''}\n{show_profile(p)}\n")
             if plot:
                 typer.echo(f"plot: {plot_profile(p, plot)}")
         return

@@ -376,9 +376,14 @@ def test_fit_recovers_known_step_times():
             for q in (2, 5, 8):
                 v = 0.006 + 0.001 * B * q + 3e-7 * B * V + 1e-8 * B * q * V
                 samples.append(StepSample("verify", B, q, V, v))
+            # KV read whose cost per row falls as rows are added (measured so on the 2-core CPU)
+            rest = 0.004 + 0.0005 * B + 1e-7 * B * V + 2e-7 * math.sqrt(B) * V
+            samples.append(StepSample("resting", B, 1, V, rest))
     fits = fit_steps(samples)
     assert fits["plain"].rel_error < 0.03 and fits["verify"].rel_error < 1e-6
     assert fits["verify"].coef == pytest.approx((0.006, 0, 0.001, 3e-7, 1e-8), rel=1e-4, abs=1e-9)
+    assert fits["resting"].features == ("1", "B", "BV", "sqrtBV")
+    assert fits["resting"].coef == pytest.approx((0.004, 0.0005, 1e-7, 2e-7), rel=1e-4, abs=1e-9)
 
 
 def test_compact_uses_a_profile_and_chooses_k(ctx, tmp_path):
@@ -497,3 +502,28 @@ def test_a_runs_forecast_counts_the_steps_it_did_not_forecast_on_both_sides():
     # a predicted loss stays a loss, only nearer 1
     assert 1 > run_forecast(10.0, 8.0, 2.0) > run_forecast(10.0, 8.0)
     assert run_forecast(0.0, 5.0, 1.0) is None
+
+
+def test_calibrate_refit_fits_a_profiles_own_samples_again(tmp_path):
+    """`kapc calibrate --refit` brings a profile fitted with older features up to this kapc's
+    (FEATURES), from the samples it holds, measuring nothing."""
+    from typer.testing import CliRunner
+
+    from kapc.cli import app
+
+    samples = tuple(StepSample("resting", B, 1, V, 0.004 + 0.0005 * B + 2e-7 * math.sqrt(B) * V)
+                    for B in (1, 4, 8) for V in (2000, 4000, 8000))
+    old = msgspec.structs.replace(known_profile(), samples=samples, fits={
+        **known_profile().fits,
+        "resting": StepFit(features=("1", "B", "BV"), coef=(0.01, 0, 1e-7), rel_error=0.1,
+                           samples=len(samples))})
+    path = save_profile(old, tmp_path / "p.json")
+    r = CliRunner().invoke(app, ["calibrate", "--refit", "--profile", str(path)])
+    assert r.exit_code == 0, r.output
+    assert "fitted again" in r.output
+    new = load_profile(path)
+    assert new.samples == old.samples and new.created == old.created
+    assert new.fits["resting"].features == ("1", "B", "BV", "sqrtBV")
+    assert new.seconds("resting", 8, 8000) == pytest.approx(0.004 + 0.004 + 2e-7 * math.sqrt(8) * 8000)
+    # kinds without samples keep their fits (the known profile's, written by hand)
+    assert new.fits["draft"] == old.fits["draft"]
