@@ -25,6 +25,7 @@ import msgspec
 import numpy as np
 
 from kapc.errors import KapcError, excerpt
+from kapc.profile import rows_features
 
 MAX_TOPN = 9  # `top2` .. `top9`: wider tolerance accepts nearly anything and says little
 
@@ -248,9 +249,7 @@ def engine_step(profile, queries: Sequence[int], contexts: Sequence[float],
     B = len(contexts)
     if all(q == 1 for q in queries):
         return unplanned_step(profile, B, sum(contexts) / max(1, B))
-    return profile.seconds_of(verify_kind(profile, tolerant), {
-        "1": 1.0, "B": float(B), "Bq": float(sum(queries)), "BV": float(sum(contexts)),
-        "BqV": float(sum(q * v for q, v in zip(queries, contexts)))})
+    return profile.seconds_of(verify_kind(profile, tolerant), rows_features(queries, contexts))
 
 
 def step_tokens(drafting: list[DraftRow], others: list[int]) -> float:

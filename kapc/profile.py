@@ -162,6 +162,15 @@ def feature_values(batch: float, query: float, visible: float) -> dict[str, floa
             "BqV": batch * query * visible, "sqrtBV": math.sqrt(batch) * visible}
 
 
+def rows_features(queries, contexts) -> dict[str, float]:
+    """`feature_values` of a step whose rows differ in query tokens and context: each feature
+    summed over the rows, and sqrtBV as √B times their mean context."""
+    B, V = len(contexts), float(sum(contexts))
+    return {"1": 1.0, "B": float(B), "Bq": float(sum(queries)), "BV": V,
+            "BqV": float(sum(q * v for q, v in zip(queries, contexts))),
+            "sqrtBV": V / math.sqrt(B) if B else 0.0}
+
+
 def profile_key(engine: str, fingerprint: str, dtype: str, device: str, threads: int) -> str:
     return f"{engine}-{fingerprint.removeprefix('sha256:')[:12]}-{dtype}-{device}-t{threads}"
 

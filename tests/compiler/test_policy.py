@@ -504,6 +504,16 @@ def test_a_runs_forecast_counts_the_steps_it_did_not_forecast_on_both_sides():
     assert run_forecast(0.0, 5.0, 1.0) is None
 
 
+def test_rows_features_of_uniform_rows_are_feature_values():
+    from kapc.profile import feature_values, rows_features
+
+    assert rows_features([5] * 8, [4096] * 8) == pytest.approx(feature_values(8, 5, 4096))
+    # mixed rows: sums over rows, and sqrt(B) times the mean context
+    mixed = rows_features([1, 3], [1000, 3000])
+    assert mixed["Bq"] == 4 and mixed["BV"] == 4000 and mixed["BqV"] == 10000
+    assert mixed["sqrtBV"] == pytest.approx(math.sqrt(2) * 2000)
+
+
 def test_calibrate_refit_fits_a_profiles_own_samples_again(tmp_path):
     """`kapc calibrate --refit` brings a profile fitted with older features up to this kapc's
     (FEATURES), from the samples it holds, measuring nothing."""
