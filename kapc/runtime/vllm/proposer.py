@@ -611,7 +611,7 @@ class KapProposer:
             self._time_engine_step(t0, req_ids[:n_rows], sampled_token_ids)
         if self._profile is not None:
             if not self.timing["forecast_from"]:
-                self.timing["forecast_from"] = time.monotonic() - (time.perf_counter() - t0)
+                self.timing["forecast_from"] = time.monotonic()
             rows = self._plan_step(rows, num_tokens_no_spec, n_rows)
         self._forward_s = self._select_s = 0.0
         self._draft_predicted = self._select_predicted = 0.0
