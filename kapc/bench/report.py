@@ -180,7 +180,70 @@ def phase_table(summary, d, w) -> str:
                    "predicted x", "plans run"], body)
 
 
-def markdown(summary: list[dict], title: str = "kapc bench") -> str:
+# ---------------------------------------------------------------------------------------------
+# paired differences
+
+# (summary name, row field, scale to the table's unit, format): pass rate and F1 in points
+PAIRED_METRICS = (("pass", "passed", 100.0, "+.1f"), ("f1", "f1", 100.0, "+.1f"),
+                  ("similarity", "similarity", 1.0, "+.3f"))
+
+
+def paired(rows: list[dict], resamples: int = 2000, seed: int = 0) -> list[dict]:
+    """Each method minus full context on the same cases, per (dataset, workload) and metric,
+    pooled over lengths, with a 95% bootstrap interval.
+
+    A difference taken case by case cancels what makes a question hard for every method, so it
+    is far tighter than the gap between two methods' means. The bootstrap resamples questions,
+    not cases: a question's cases at every length share its passages and gold answers, so they
+    are not independent draws."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    full = {(r["dataset"], r["workload"], r["length"], r["index"]): r
+            for r in rows if r["method"] == "full"}
+    groups: dict[tuple, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        f = full.get((r["dataset"], r["workload"], r["length"], r["index"]))
+        if r["method"] == "full" or f is None:
+            continue
+        for name, field, _, _ in PAIRED_METRICS:
+            a, b = r.get(field), f.get(field)
+            if a is not None and b is not None:
+                groups[(r["dataset"], r["workload"], r["method"], name)][r["index"]].append(
+                    float(a) - float(b))
+    out = []
+    for (d, w, m, name), by_q in sorted(groups.items()):
+        sums = np.array([sum(v) for v in by_q.values()])
+        counts = np.array([len(v) for v in by_q.values()])
+        draw = rng.integers(0, len(sums), size=(resamples, len(sums)))
+        stats = sums[draw].sum(axis=1) / counts[draw].sum(axis=1)
+        lo, hi = np.percentile(stats, [2.5, 97.5])
+        out.append({"dataset": d, "workload": w, "method": m, "metric": name,
+                    "cases": int(counts.sum()), "questions": len(sums),
+                    "diff": float(sums.sum() / counts.sum()), "lo": float(lo), "hi": float(hi)})
+    return out
+
+
+def paired_table(comparison: list[dict], d, w) -> str:
+    """Every method's paired difference from full context, with its interval."""
+    by = {(c["method"], c["metric"]): c for c in comparison
+          if c["dataset"] == d and c["workload"] == w}
+    body = []
+    for m in PLANS + BASELINES:
+        cells = []
+        for name, _, scale, spec in PAIRED_METRICS:
+            c = by.get((m, name))
+            cells.append("-" if c is None else
+                         f"{_f(c['diff'], spec, scale)} [{_f(c['lo'], spec, scale)}, "
+                         f"{_f(c['hi'], spec, scale)}]")
+        first = next((by[(m, name)] for name, *_ in PAIRED_METRICS if (m, name) in by), None)
+        if first is not None:
+            body.append([LABEL[m], f"{first['cases']}", f"{first['questions']}", *cells])
+    return _table(["method", "cases", "questions", "pass, points", "F1, points",
+                   "similarity"], body)
+
+
+def markdown(summary: list[dict], title: str = "kapc bench", comparison: list[dict] = ()) -> str:
     parts = [f"# {title}", ""]
     for d in sorted({r["dataset"] for r in summary}):
         for w in [w for w in cases.WORKLOADS if any(r["dataset"] == d and r["workload"] == w
@@ -191,6 +254,11 @@ def markdown(summary: list[dict], title: str = "kapc bench") -> str:
                       "### Quality by length", "", quality_table(summary, d, w), "",
                       f"### Plans against the prompt baselines at {n} tokens", "", base, "",
                       "### Phase boundary", "", phase_table(summary, d, w), ""]
+            if any(c["dataset"] == d and c["workload"] == w for c in comparison):
+                parts += ["### Against full context, on the same questions", "",
+                          "Each method's score minus full context's, case by case, over every "
+                          "length; in brackets a 95% bootstrap interval over questions.", "",
+                          paired_table(comparison, d, w), ""]
     return "\n".join(parts)
 
 
@@ -291,7 +359,7 @@ def _save(fig, path: Path, plt) -> Path:
 
 
 def write_report(out: Path) -> Path:
-    """report.md, summary.json and the plots under `out`; returns the report's path."""
+    """report.md, summary.json, paired.json and the plots under `out`; returns the report's path."""
     from kapc.bench.quality import scored_rows
     from kapc.bench.run import CONFIG, TTFT, read_rows_plain
 
@@ -302,8 +370,10 @@ def write_report(out: Path) -> Path:
     ident = cfg.get("identity", {})
     title = (f"kapc bench: {ident.get('engine', '?')} engine, batch {ident.get('batch', '?')}, "
              f"k={ident.get('k', '?')}")
+    comparison = paired(rows)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    text = markdown(summary, title)
+    (out / "paired.json").write_text(json.dumps(comparison, indent=1))
+    text = markdown(summary, title, comparison)
     plots = plot_all(summary, out)
     text += "\n## Plots\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
     path = out / "report.md"

@@ -92,3 +92,36 @@ def test_methods_are_compared_on_the_same_questions():
         (4096, 0, "full"), (4096, 0, "kapc"), (4096, 0, "physical")]
     other = [dict(r, workload="long") for r in rows if r["method"] != "physical"]
     assert len(report.complete_cases(other)) == 6  # long answers ran without physical: all kept
+
+
+def test_paired_differences_by_hand():
+    # three questions at two lengths; full passes every case, greedy fails one (question 0 at
+    # 2048) and scores 0.1 more F1 everywhere
+    rows = []
+    for q in range(3):
+        for n in (2048, 4096):
+            rows.append(_row("full", q, length=n, passed=True, f1=0.4))
+            rows.append(_row("kapc", q, length=n, passed=not (q == 0 and n == 2048), f1=0.5))
+    got = {c["metric"]: c for c in report.paired(rows, resamples=4000, seed=1)}
+    p = got["pass"]
+    assert (p["cases"], p["questions"]) == (6, 3)
+    assert p["diff"] == pytest.approx(-1 / 6)
+    # a resample draws question 0 k times of 3: -k/6; no draw at all has chance 8/27, so the
+    # upper bound is 0; all three draws have chance 1/27 > 2.5%, so the lower bound is -1/2
+    assert p["hi"] == pytest.approx(0.0) and p["lo"] == pytest.approx(-0.5)
+    assert got["f1"]["diff"] == pytest.approx(0.1)
+    assert got["f1"]["lo"] == pytest.approx(0.1) and got["f1"]["hi"] == pytest.approx(0.1)
+    assert got["similarity"]["diff"] == got["similarity"]["lo"] == got["similarity"]["hi"] == 0
+    assert report.paired(rows, resamples=500, seed=3) == report.paired(rows, resamples=500,
+                                                                       seed=3)
+    table = _table_rows(report.paired_table(report.paired(rows), "hotpotqa", "short"))
+    assert table == [["kapc greedy", "6", "3", "-16.7 [-50.0, +0.0]", "+10.0 [+10.0, +10.0]",
+                      "+0.000 [+0.000, +0.000]"]]
+    md = report.markdown(report.summarize(rows), comparison=report.paired(rows))
+    assert "### Against full context, on the same questions" in md
+
+
+def test_paired_skips_cases_without_full_context():
+    rows = [_row("full", 0), _row("kapc", 0, f1=0.9), _row("kapc", 1, f1=0.0)]
+    f1 = next(c for c in report.paired(rows) if c["metric"] == "f1")
+    assert (f1["cases"], f1["diff"]) == (1, pytest.approx(0.4))

@@ -75,6 +75,14 @@ def test_report_tables_and_plots(sweep):
         assert 0.0 <= r["pass"] <= 1.0 and 0.0 <= r["f1"] <= 1.0
         if r["method"] == "kapc":
             assert r["identical"] == 1.0
+    assert md.count("### Against full context, on the same questions") == 2
+    paired = json.loads((out / "paired.json").read_text())
+    assert {(c["workload"], c["method"]) for c in paired} == {
+        (w, m) for w in ("short", "long") for m in METHODS if m != "full"}
+    for c in paired:
+        assert c["lo"] <= c["diff"] <= c["hi"] and c["cases"] == 2 * c["questions"]
+        if c["method"] == "kapc":  # greedy plans are lossless: no difference at all
+            assert c["diff"] == c["lo"] == c["hi"] == 0.0
     pngs = sorted(out.glob("*.png"))
     assert len(pngs) == 8
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
