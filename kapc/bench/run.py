@@ -216,9 +216,15 @@ def work_items(cfg: BenchConfig) -> list[tuple]:
     return items
 
 
-def build_all_priors(cfg: BenchConfig, positions: int) -> None:
-    keys = [cases.CaseKey(d, i, n) for d, chunk, n, w in work_items(cfg) if w == cfg.workloads[0]
-            for i in chunk]
+def build_all_priors(cfg: BenchConfig, positions: int, rows: dict) -> None:
+    """The priors of the cases still to decode or to time. A case whose rows are all there needs
+    none (quality and the report read rows only), so a sweep resumed from its results files
+    alone does not run the frontend again for what it has."""
+    need = {(d, i, n) for d, chunk, n, w in work_items(cfg)  # a batch decodes as a whole
+            if any((d, w, n, m, j) not in rows for m in cfg.methods for j in chunk)
+            for i in chunk}
+    need |= {(d, i, n) for d, n, _, i in ttft_todo(cfg, list(cfg.methods))}
+    keys = [cases.CaseKey(d, i, n) for d, i, n in sorted(need)]
     ctx = {n: context_tokens(cfg, n, positions) for n in cfg.lengths}
     missing = [k for k in keys if not cases.prior_path(cfg.out, k).exists()]
     if not missing:
@@ -398,7 +404,7 @@ def run_sweep(cfg: BenchConfig) -> Path:
         part = dataclasses.replace(cfg, questions=upto)
         if len(todo) > 1:
             _log(f"kapc bench: round {j + 1}/{len(todo)}: questions up to {upto}")
-        build_all_priors(part, positions)
+        build_all_priors(part, positions, rows)
         for kind, methods in phases.items():
             run_phase(part, kind, methods, rows)
         quality.score(cfg.out)
