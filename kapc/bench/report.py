@@ -230,15 +230,13 @@ def paired_table(comparison: list[dict], d, w) -> str:
           if c["dataset"] == d and c["workload"] == w}
     body = []
     for m in PLANS + BASELINES:
-        cells = []
-        for name, _, scale, spec in PAIRED_METRICS:
-            c = by.get((m, name))
-            cells.append("-" if c is None else
-                         f"{_f(c['diff'], spec, scale)} [{_f(c['lo'], spec, scale)}, "
-                         f"{_f(c['hi'], spec, scale)}]")
-        first = next((by[(m, name)] for name, *_ in PAIRED_METRICS if (m, name) in by), None)
-        if first is not None:
-            body.append([LABEL[m], f"{first['cases']}", f"{first['questions']}", *cells])
+        known = [by[(m, name)] for name, *_ in PAIRED_METRICS if (m, name) in by]
+        if not known:
+            continue
+        cells = ["-" if (c := by.get((m, name))) is None else
+                 f"{_f(c['diff'], spec, scale)} [{_f(c['lo'], spec, scale)}, "
+                 f"{_f(c['hi'], spec, scale)}]" for name, _, scale, spec in PAIRED_METRICS]
+        body.append([LABEL[m], f"{known[0]['cases']}", f"{known[0]['questions']}", *cells])
     return _table(["method", "cases", "questions", "pass, points", "F1, points",
                    "similarity"], body)
 
