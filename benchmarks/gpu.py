@@ -4,6 +4,10 @@ calibration profile.
 
     python -m benchmarks.gpu --out $OUT            # on the GPU machine, under 8 minutes
 
+That machine lacks msgspec (kapc.profile needs it): carry a cp312 manylinux wheel of it and
+install it with `pip install --no-deps --target` first (run 2026-12-04: 428 s of device time with
+`--budget-s 380`; docs/runtime.md has the figures).
+
 The GPU machine lent to some sessions has PyTorch with CUDA and transformers but no vLLM, and
 receives at most 64 MiB: the bundled SmolLM2 does not fit, so the model is built from a config
 with RANDOM WEIGHTS (Llama-3.1-8B's shape by default, bf16). Its outputs mean nothing; its step
