@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml $(wildcard requirements/*.txt)
 	$(BIN)/python -c "import kapc, torch, vllm, lark, msgspec" 
 	touch $(STAMP)
 
+# `make demo MODEL=qwen2.5-coder-0.5b-instruct` runs it on the long-context model.
 demo: $(STAMP)
-	$(BIN)/python -m kapc.demo
+	$(BIN)/python -m kapc.demo $(if $(MODEL),--model $(MODEL))
 
 # tests/vllm runs in a pytest process of its own: vLLM 0.32's Triton kernel dispatcher scans every
 # loaded module and trips over llvmlite's FFI wrappers once the frontend's libraries have loaded

@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=7936)
     ap.add_argument("--queries", default="1,2,3,5,8", help="query tokens per row to time")
     ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help="the registered model whose shape is timed")
     ap.add_argument("--split-kv", action=argparse.BooleanOptionalAction, default=True,
                     help="the scheduler's KV split for one-token rows (VLLM_CPU_ATTN_SPLIT_KV)")
     ap.add_argument("--repeat", type=int, default=3)
@@ -47,12 +49,12 @@ def main(argv=None) -> int:
     import torch
     from vllm import _custom_ops as ops
 
-    from kapc.models import ensure_default_model
+    from kapc.models import ensure_model
     from kapc.runtime.kernels import paged_attention
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = json.loads((ensure_default_model() / "config.json").read_text())
+    cfg = json.loads((ensure_model(args.model) / "config.json").read_text())
     H, KVH = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     D = cfg["hidden_size"] // H
     hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]

@@ -6,8 +6,10 @@ hard negatives, nested prefixes of one ordered list), greedy, fixed output lengt
     python -m benchmarks.vllm_decode --quick            # 4K context, batch 1 and 4, 32 tokens
     python -m benchmarks.vllm_decode --contexts 4096 --batches 1,4 --max-tokens 64 --methods full,kapc
 
-A context's prompts stop short of the model's position limit less the output and lookahead
-(SmolLM2: 8192 positions, which vLLM enforces; `fit_context`).
+A context is the whole sequence an engine holds, at most the model's positions (SmolLM2: 8192;
+Qwen2.5-Coder-0.5B, `--model qwen2.5-coder-0.5b-instruct`: 32768); its prompts are that less the
+output and lookahead (`fit_context`). Each engine's KV cache is sized from the model, the longest
+sequence and the batch (kapc.memory), and an engine that cannot fit is refused before it starts.
 
 Per (context, batch) every prompt is prefilled once before timing (prefix caching on; each
 engine warms its own cache), so the timed run measures decoding: output tokens / wall seconds
@@ -104,25 +106,28 @@ def access_budget(text: str):
     return v
 
 
-def model_max_len(model_dir=None) -> int:
-    """The model's position limit (max_position_embeddings; SmolLM2-135M: 8192)."""
-    from kapc.models import ensure_default_model
+def model_max_len(model=None) -> int:
+    """The model's position limit (SmolLM2-135M: 8192; Qwen2.5-Coder-0.5B: 32768)."""
+    from kapc.models import load_assets
 
-    path = Path(model_dir) if model_dir else ensure_default_model()
-    cfg = json.loads((path / "config.json").read_text())
-    return int(cfg.get("max_position_embeddings") or 1 << 30)
+    return load_assets(model).context_tokens()
 
 
-def fit_context(target: int, new_tokens: int, k: int, block_size: int) -> int:
-    """The prompt length to build for a context of `target` tokens: prompt, output and the
-    proposal's lookahead must stay within the model's position limit (SmolLM2 is trained to
-    8192 positions and vLLM refuses more), so '8K' is 8192 less the output and lookahead."""
-    return min(target, model_max_len() - new_tokens - 2 * k - block_size)
+def fit_context(target: int, new_tokens: int, k: int, block_size: int, model=None) -> int:
+    """The prompt length to build for a context of `target` tokens: a context is the whole
+    sequence the engine holds (vLLM refuses more than the model's positions), so its prompt is
+    `target` less the output and the proposal's lookahead ('8K' on SmolLM2: a ~8000-token prompt).
+    A context past the model's positions is refused, not cut."""
+    positions = model_max_len(model)
+    if target > positions:
+        raise SystemExit(f"context {target:,}: the model holds {positions:,} positions; "
+                         f"give contexts up to {positions:,}")
+    return target - new_tokens - 2 * k - block_size
 
 
 def build_cases(contexts, n, block_size, k, budget_ratio, batches, frontend, first: int = 0,
                 variants=(("greedy", None),), new_tokens: int = 0, auto: bool = False,
-                select: str = "", access_budget: float | str = "plan"):
+                select: str = "", access_budget: float | str = "plan", model=None):
     """{context: [(ids, {(batch, rule, access mode): plan bytes}), ...n]} for HotpotQA dev
     questions first..first+n-1, one plan per batch size and (rule, mode) of `variants`; prompts
     are built to `fit_context` of each context. With `auto`, plans are compiled with k=auto
@@ -131,7 +136,7 @@ def build_cases(contexts, n, block_size, k, budget_ratio, batches, frontend, fir
     from kapc.lower.kapb import decode_plan
     from kapc.passes import CompileContext
 
-    ctx = CompileContext(engine="vllm-cpu" if auto else None)
+    ctx = CompileContext(model, engine="vllm-cpu" if auto else None)
     if auto:
         from kapc.profile import find_profile
 
@@ -142,8 +147,9 @@ def build_cases(contexts, n, block_size, k, budget_ratio, batches, frontend, fir
         rows = []
         for i in range(first, first + n):
             t0 = time.perf_counter()
-            prior = hotpotqa_prior(i, context_tokens=fit_context(c, new_tokens, k, block_size),
-                                   frontend=frontend)
+            prior = hotpotqa_prior(i, context_tokens=fit_context(c, new_tokens, k, block_size,
+                                                                 model),
+                                   frontend=frontend, model=model)
             plans = {(b, rule, mode): compile_prior(
                 prior, block_size=block_size, budget_ratio=budget_ratio,
                 k="auto" if auto else k, batch=b, ctx=ctx, accept=rule, select=select,
@@ -157,25 +163,15 @@ def build_cases(contexts, n, block_size, k, budget_ratio, batches, frontend, fir
     return out
 
 
-def kv_cache_gib(max_len: int, batch: int) -> int:
-    """Whole GiB of KV cache for `batch` sequences of `max_len` tokens of the default model, with
-    a quarter to spare (vLLM-CPU refuses to start when it asks for more than a NUMA node has
-    free: 8 GiB did not fit a 23 GiB machine whose node 0 holds 7.3)."""
-    from kapc.models import ensure_default_model, load_assets
-
-    per_token = load_assets(str(ensure_default_model())).kv_elements_per_token() * 4  # float32
-    return max(1, int(batch * max_len * per_token * 1.25 / 2**30) + 1)
-
-
 def start_engine(method, cases, batches, args):
     from kapc.runtime.vllm import make_engine
 
     t0 = time.perf_counter()
     k = args.ngram_k if method == "ngram" and args.ngram_k else args.k
-    max_len = min(model_max_len(), max(cases) + args.max_tokens + 8 * args.k + 256)
-    eng = make_engine(block_size=args.block_size, k=k, method=method, max_model_len=max_len,
-                      max_num_seqs=max(batches),
-                      kv_cache_gib=args.kv_cache_gib or kv_cache_gib(max_len, max(batches)),
+    max_len = min(model_max_len(args.model), max(cases) + args.max_tokens + 8 * args.k + 256)
+    eng = make_engine(args.model, block_size=args.block_size, k=k, method=method,
+                      max_model_len=max_len, max_num_seqs=max(batches),
+                      kv_cache_gib=args.kv_cache_gib,
                       in_process=args.in_process, ngram_max=args.ngram_max, dtype=args.dtype,
                       ngram_min=args.ngram_min)
     _log(f"[{method}] engine up in {time.perf_counter() - t0:.1f}s")
@@ -358,6 +354,9 @@ def main(argv=None):
                     help="query-aware plans: the retained ratio the view reads, or 'plan' for "
                     "each plan's own s (matched budgets; the compiler's default)")
     ap.add_argument("--frontend", default="graph")
+    ap.add_argument("--model", default=None,
+                    help="a model's name (smollm2-135m-instruct, the default; "
+                         "qwen2.5-coder-0.5b-instruct) or a Hugging Face folder")
     ap.add_argument("--kv-cache-gib", type=int, default=None,
                     help="KV cache size (default: what the largest batch needs, plus a quarter)")
     ap.add_argument("--baseline", choices=("plain", "shared"), default="plain")
@@ -412,7 +411,7 @@ def main(argv=None):
                             variants=list(dict.fromkeys(variant_of(m) for m in methods
                                                         if has_plans(m))),
                             new_tokens=args.max_tokens, auto=args.auto, select=args.select,
-                            access_budget=args.access_budget).result()
+                            access_budget=args.access_budget, model=args.model).result()
     # every method runs on one engine; methods sharing an engine share its start and prefills
     engines: dict[str, list[str]] = {}
     for m in methods:

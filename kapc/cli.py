@@ -13,6 +13,7 @@ import typer
 
 from kapc import settings
 from kapc.errors import KapcError
+from kapc.models import DEFAULT_MODEL
 from kapc.policy import MAX_AUTO_K
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -33,7 +34,8 @@ PassesOpt = Annotated[Optional[str], typer.Option(
     "--passes", help="Pipeline, e.g. 'ground,align-spans,select{budget-tokens=1024},"
     "resolve-pages,compact' (default: the default pipeline, less what an input .kap already ran).")]
 ModelOpt = Annotated[Optional[str], typer.Option(
-    "--model", help="Local Hugging Face model folder (default: the bundled SmolLM2-135M-Instruct).")]
+    "--model", help="A model's name (smollm2-135m-instruct, the default; "
+    "qwen2.5-coder-0.5b-instruct; `kapc models` lists them) or a local Hugging Face folder.")]
 BlockSizeOpt = Annotated[Optional[int], typer.Option(
     "--block-size", help="The target engine's KV block size (sets resolve-pages' block-size).")]
 EngineOpt = Annotated[Optional[str], typer.Option(
@@ -222,10 +224,9 @@ def run(
 ) -> None:
     """Decode a plan's prompt with the plan (selected-KV proposals, full-context verification)."""
     common = dict(accept=accept, k=k, max_tokens=max_tokens, compare_full=compare_full, model=model)
-    if model is None:  # converted while the runtime imports torch
-        from kapc.models import prepare_default_model
+    from kapc.models import prepare
 
-        prepare_default_model(weights=True)
+    prepare(model, weights=True)  # converted while the runtime imports torch
     if engine == "reference":
         from kapc.runtime.run import format_report, run_plan_file
 
@@ -248,7 +249,7 @@ def run(
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def serve(
     ctx: typer.Context,
-    model: Annotated[Optional[str], typer.Option(help="Model folder (default: the cached SmolLM2-135M-Instruct).")] = None,
+    model: ModelOpt = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     k: Annotated[int, typer.Option("--k", help="Most tokens a plan proposes per cycle (plans choose theirs up to it).")] = MAX_AUTO_K,
@@ -417,6 +418,7 @@ def bench(
     baseline: Annotated[str, typer.Option(help="plain: full context and the prompt baselines on a plain engine; shared: on the hook's engine (one prefill less).")] = "plain",
     as_planned: Annotated[bool, typer.Option(help="Honour the plans' fallback rules (default: every plan runs, so it is measured).")] = False,
     round_questions: Annotated[int, typer.Option("--round", help="Questions every method decodes before the next round starts (the report is written after each).")] = 32,
+    model: ModelOpt = None,
     report_only: Annotated[bool, typer.Option(help="Only write the tables and plots from the rows already in --out.")] = False,
 ) -> None:
     """Measure answer quality and decode speed of kapc's plans against full context and the prompt baselines."""
@@ -440,10 +442,30 @@ def bench(
                       engine=engine, baseline=baseline, batch=batch, k=k,
                       short_tokens=short_tokens, long_tokens=long_tokens,
                       ttft_samples=ttft_samples, as_planned=as_planned,
-                      round_questions=round_questions)
+                      round_questions=round_questions, model=model or DEFAULT_MODEL)
     path = run_sweep(cfg)
     typer.echo(path.read_text())
     typer.echo(f"kapc: report written to {path}", err=True)
+
+
+@app.command()
+def models(
+    prepare: Annotated[Optional[str], typer.Option(
+        help="Convert this model now (tokenizer, config and weights) instead of at first use.")] = None,
+) -> None:
+    """List the models kapc knows by name, and where each is cached."""
+    from kapc import models as registry
+
+    if prepare is not None:
+        path = registry.ensure_model(registry.source(prepare).name, weights=True)
+        typer.echo(f"kapc: {prepare} is ready in {path}", err=True)
+    for name, src in registry.MODELS.items():
+        folder = registry.model_dir(name)
+        state = ("converted" if (folder / "weights.ok").exists() else
+                 "tokenizer only" if (folder / "tokenizer.ok").exists() else "not converted yet")
+        default = " (default)" if name == DEFAULT_MODEL else ""
+        typer.echo(f"{name}{default}\n  {src.title}; weights stored in {src.weights_dtype}\n"
+                   f"  packages: {', '.join(r for r, _ in src.parts)}\n  {folder}: {state}")
 
 
 @schema_app.command("prior")

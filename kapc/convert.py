@@ -1,9 +1,11 @@
-"""Convert the bundled SmolLM2 GGUF file into a plain Hugging Face folder (run as a subprocess).
+"""Convert a registered model's GGUF file into a plain Hugging Face folder (run as a subprocess).
 
-`python -m kapc.convert GGUF DEST [--weights]`. Without --weights only the tokenizer, chat template
-and config are written (what the compiler needs). With --weights the dequantised model is rebuilt
-as a plain `LlamaForCausalLM` and saved as safetensors (`save_pretrained` refuses the GGUF-quantised
-object itself), which both the reference executor and vLLM load.
+`python -m kapc.convert NAME GGUF DEST [--weights]`, NAME from `kapc.models.MODELS`. Without
+--weights only the tokenizer, chat template and config are written (what the compiler needs), after
+checking that the file's header is the model NAME promises (architecture and context length).
+With --weights the dequantised model is rebuilt as the registry's plain class (`LlamaForCausalLM`,
+`Qwen2ForCausalLM`; `save_pretrained` refuses the GGUF-quantised object itself) and saved as
+safetensors in the registry's dtype, which both the reference executor and vLLM load.
 Runs in its own process so that the compiler never imports torch or transformers.
 """
 
@@ -65,25 +67,38 @@ def _gguf_read_once():
         reader.__init__, gguf.get_tensor_name_map = original_init, original_name_map
 
 
-def convert(gguf: Path, dest: Path, weights: bool) -> None:
+def convert(name: str, gguf: Path, dest: Path, weights: bool) -> None:
+    from kapc.models import source
+
     with _gguf_read_once():
-        _convert(gguf, dest, weights)
+        _convert(source(name), gguf, dest, weights)
 
 
-def _convert(gguf: Path, dest: Path, weights: bool) -> None:
+def _check_header(src, config) -> None:
+    """The GGUF header must describe the registered model: a file from another package or a
+    corrupt join would otherwise convert into a model that merely looks right."""
+    found = (config.model_type, config.max_position_embeddings)
+    if found != (src.model_type, src.positions):
+        raise SystemExit(f"{src.name}: the GGUF header says architecture {found[0]!r} with "
+                         f"{found[1]} positions, not {src.model_type!r} with {src.positions}; "
+                         f"reinstall its packages: {src.install_hint()}")
+
+
+def _convert(src, gguf: Path, dest: Path, weights: bool) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig, AutoTokenizer
 
     dest.mkdir(parents=True, exist_ok=True)
-    src, fname = str(gguf.parent), gguf.name
+    folder, fname = str(gguf.parent), gguf.name
     if not (dest / "tokenizer.ok").exists():
         tmp = Path(tempfile.mkdtemp(dir=dest.parent))
-        AutoTokenizer.from_pretrained(src, gguf_file=fname).save_pretrained(tmp)
-        config = AutoConfig.from_pretrained(src, gguf_file=fname)
+        AutoTokenizer.from_pretrained(folder, gguf_file=fname).save_pretrained(tmp)
+        config = AutoConfig.from_pretrained(folder, gguf_file=fname)
+        _check_header(src, config)
         # Write the config exactly as the weights step's save_pretrained will, so config.json
         # does not change when the weights arrive later.
-        config.architectures = ["LlamaForCausalLM"]
-        config.dtype = "float32"
+        config.architectures = [src.architecture]
+        config.dtype = src.weights_dtype
         config.save_pretrained(tmp)
         for f in tmp.iterdir():
             f.replace(dest / f.name)
@@ -91,22 +106,25 @@ def _convert(gguf: Path, dest: Path, weights: bool) -> None:
         (dest / "tokenizer.ok").write_text(fname + "\n")
     if weights and not (dest / "weights.ok").exists():
         import torch
-        from transformers import AutoModelForCausalLM, LlamaForCausalLM
+        import transformers
+        from transformers import AutoModelForCausalLM
 
-        quantised = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32)
+        quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname,
+                                                         dtype=torch.float32)
         config = AutoConfig.from_pretrained(dest)
-        plain = LlamaForCausalLM(config).to(torch.float32)
+        plain = getattr(transformers, src.architecture)(config).to(torch.float32)
         missing, unexpected = plain.load_state_dict(quantised.state_dict(), strict=False)
         # With tied embeddings lm_head.weight may be absent from the GGUF state dict.
         missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
         if missing or unexpected:
             raise SystemExit(f"state dict mismatch: missing={missing} unexpected={unexpected}")
-        plain.save_pretrained(dest, safe_serialization=True)
+        del quantised
+        plain.to(getattr(torch, src.weights_dtype)).save_pretrained(dest, safe_serialization=True)
         (dest / "weights.ok").write_text(fname + "\n")
 
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    if len(args) != 2:
-        raise SystemExit("usage: python -m kapc.convert GGUF DEST [--weights]")
-    convert(Path(args[0]), Path(args[1]), "--weights" in sys.argv)
+    if len(args) != 3:
+        raise SystemExit("usage: python -m kapc.convert NAME GGUF DEST [--weights]")
+    convert(args[0], Path(args[1]), Path(args[2]), "--weights" in sys.argv)

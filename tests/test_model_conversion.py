@@ -13,9 +13,9 @@ def test_reading_the_gguf_once_from_memory_reads_what_gguf_reads():
     import gguf
 
     from kapc.convert import _gguf_read_once
-    from kapc.models import smollm2_gguf_path
+    from kapc.models import gguf_path
 
-    path = smollm2_gguf_path()
+    path = gguf_path()
     plain = gguf.GGUFReader(path)
     with _gguf_read_once():
         fast, again = gguf.GGUFReader(path), gguf.GGUFReader(path)
@@ -40,10 +40,10 @@ def test_a_conversion_started_in_the_background_is_waited_for_not_repeated(
     from kapc import models
 
     monkeypatch.setenv("KAPC_CACHE_DIR", str(tmp_path))
-    models.prepare_default_model()
-    dest = models.ensure_default_model()  # waits for the background extraction
+    models.prepare_model()
+    dest = models.ensure_model()  # waits for the background extraction
     assert (dest / "tokenizer.ok").exists() and (dest / "tokenizer.json").exists()
     assert capfd.readouterr().err.count("(once)") == 1
-    models.prepare_default_model()  # cached: nothing starts
-    assert models.ensure_default_model() == dest
+    models.prepare_model()  # cached: nothing starts
+    assert models.ensure_model() == dest
     assert "(once)" not in capfd.readouterr().err

@@ -24,8 +24,9 @@ QuestionOpt = Annotated[Optional[str], typer.Option(
 InstructionOpt = Annotated[Optional[str], typer.Option(
     "--instruction", help="The system instruction (default: answer briefly from the passages).")]
 ModelOpt = Annotated[Optional[str], typer.Option(
-    "--model", help="Local Hugging Face model folder whose tokenizer and chat template count "
-    "the context tokens (default: the bundled SmolLM2-135M-Instruct).")]
+    "--model", help="The model whose tokenizer and chat template count the context tokens: a "
+    "name (smollm2-135m-instruct, the default; qwen2.5-coder-0.5b-instruct) or a local Hugging "
+    "Face folder.")]
 FrontendOpt = Annotated[str, typer.Option(
     "--frontend", help="graph (sparse + dense + fusion + entity-graph PPR), fusion, dense or "
     "bm25.")]

@@ -327,10 +327,10 @@ def timing_prompts(rows: int, tokens: int, model_dir=None) -> list[list[int]]:
     of each."""
     from transformers import AutoTokenizer
 
-    from kapc.models import ensure_default_model
+    from kapc.models import resolve
     from kapc.runtime.prompts import build_prompt
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir or ensure_default_model(weights=True)))
+    tok = AutoTokenizer.from_pretrained(str(resolve(model_dir, weights=True)[0]))
     out = []
     for r in range(rows):
         ids = build_prompt(tok, 5 + 7 * r, target_tokens=tokens + 256).token_ids

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from kapc.models import DEFAULT_MODEL, ModelError, ensure_default_model, load_assets
+from kapc.models import DEFAULT_MODEL, ModelError, load_assets, resolve
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -169,7 +169,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 def load_model(spec: str | Path | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype | str | None = None) -> RuntimeModel:
-    """Load the default SmolLM2 (spec None or its name) or a local Hugging Face folder."""
+    """Load a registered model (spec None: the default SmolLM2) or a local Hugging Face folder."""
     return _load_cached(str(spec) if spec not in (None, "") else DEFAULT_MODEL, str(device),
                         str(dtype) if dtype is not None else None)
 
@@ -178,9 +178,8 @@ def load_model(spec: str | Path | None = None, device: str | torch.device = "cpu
 def _load_cached(spec: str, device: str, dtype: str | None) -> RuntimeModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    if spec == DEFAULT_MODEL:
-        ensure_default_model(weights=True)  # the compiler's assets need no weights; we do
-    assets = load_assets(spec)  # resolves the default model or checks the folder
+    path, _ = resolve(spec, weights=True)  # the compiler's assets need no weights; we do
+    assets = load_assets(path)
     path, name = assets.path, assets.name
     config = AutoConfig.from_pretrained(path)
     check_supported(config)

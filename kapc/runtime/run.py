@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kapc.lower.kapb import Plan, read_plan
-from kapc.models import DEFAULT_MODEL, ModelError
+from kapc.models import MODELS, ModelError
 
 __all__ = ["run_plan_file", "run_plan", "format_report"]
 
@@ -18,8 +18,8 @@ def _model_for(plan: Plan, model, device, dtype):
     spec = model
     if spec is None:
         name = plan.header.model
-        spec = None if name in ("", DEFAULT_MODEL) else name
-        if spec is not None and not Path(spec).is_dir():
+        spec = None if name == "" else name
+        if spec is not None and spec not in MODELS and not Path(spec).is_dir():
             raise ModelError(
                 f"plan {plan.header.name!r} was compiled for model {name!r}; pass the model folder "
                 f"(model=...)")

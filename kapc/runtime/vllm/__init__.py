@@ -20,6 +20,7 @@ vLLM's OpenAI-compatible server (docs/serving.md).
 from __future__ import annotations
 
 import os
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -30,7 +31,8 @@ from kapc.errors import KapcError
 __all__ = [
     "SUPPORTED_VLLM", "TESTED_VLLM", "VLLMUnsupported", "KapEngine", "check_vllm_version",
     "check_model_supported", "make_engine", "generate", "sampling_params", "run_plan_file_vllm",
-    "run_plan_vllm", "engine_block_size", "engine_kind", "default_dtype", "PROPOSER_CLASS",
+    "run_plan_vllm", "engine_block_size", "engine_kind", "default_dtype", "bfloat16_note",
+    "size_cpu_engine", "PROPOSER_CLASS",
     "SCHEDULER_CLASS", "WORKER_EXTENSION_CLASS",
 ]
 
@@ -105,6 +107,8 @@ class KapEngine:
     block_size: int
     model_dir: str
     method: str  # "kapc", "ngram" or "none"
+    dtype: str = "auto"
+    memory: str = ""  # how its memory was sized (kapc.memory.EnginePlan.describe)
 
     def stats(self, pop: bool = True) -> dict:
         if not self.hook:
@@ -152,15 +156,11 @@ def make_engine(model_dir=None, block_size: int = 32, k: int = 4, hook: bool = T
         method = "kapc" if hook else "none"
     if method not in ("kapc", "ngram", "none"):
         raise ValueError("method is 'kapc', 'ngram' or 'none'")
-    if model_dir is None:
-        from kapc.models import ensure_default_model
+    from kapc.models import resolve
 
-        model_dir = ensure_default_model(weights=True)
-    model_dir = str(model_dir)
+    model_dir = str(resolve(model_dir, weights=True)[0])
     if method == "kapc":
         check_model_supported(model_dir)
-    if kv_cache_gib is not None:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(kv_cache_gib))))  # whole GiB
     if in_process is not None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         if in_process:
@@ -171,7 +171,14 @@ def make_engine(model_dir=None, block_size: int = 32, k: int = 4, hook: bool = T
 
     on_cpu = not torch.cuda.is_available()
     if dtype is None:
-        dtype = default_dtype(on_cpu)
+        dtype = default_dtype(on_cpu, model_dir)
+        note = bfloat16_note(model_dir)
+        if note:
+            print(f"kapc: {note}", file=sys.stderr)
+    if on_cpu:
+        plan = size_cpu_engine(model_dir, dtype, max_model_len, max_num_seqs,
+                               requested_gib=kv_cache_gib, draft_copies=method == "kapc")
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(plan.kv_cache_gib)
     kwargs = dict(model=model_dir, dtype=dtype, block_size=block_size, seed=seed,
                   max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching)
     if on_cpu:
@@ -192,7 +199,28 @@ def make_engine(model_dir=None, block_size: int = 32, k: int = 4, hook: bool = T
     if method == "kapc":
         llm.collective_rpc("kapc_bind")
     return KapEngine(llm=llm, hook=method == "kapc", k=k, block_size=block_size,
-                     model_dir=model_dir, method=method)
+                     model_dir=model_dir, method=method, dtype=dtype,
+                     memory=plan.describe() if on_cpu else "")
+
+
+def size_cpu_engine(model_dir, dtype: str, max_model_len: int | None, max_num_seqs: int,
+                    requested_gib: float | None = None, draft_copies: bool = False,
+                    what: str = "the vLLM engine"):
+    """kapc.memory's sizing for a vLLM-CPU engine on `model_dir` (max_model_len None: the model's
+    positions, as vLLM takes it); raises kapc.memory.EngineMemoryError where it cannot fit."""
+    from kapc.memory import available_bytes, size_engine
+    from kapc.models import load_assets
+    from kapc.runtime.vllm.compat import cpu_kv_room_gib
+
+    assets = load_assets(model_dir)
+    free = available_bytes()
+    node = cpu_kv_room_gib()  # vLLM-CPU allocates the cache on NUMA node 0 and checks it there
+    if node is not None:
+        free = min(free, int(node * 2**30))
+    return size_engine(assets, "float32" if dtype == "auto" else dtype,
+                       max_model_len or assets.context_tokens(), max_num_seqs, free,
+                       draft_copies=draft_copies and dtype in ("float32", "float"),
+                       requested_gib=requested_gib, what=what)
 
 
 def _plan_bytes(plan) -> bytes | None:
@@ -349,15 +377,15 @@ def run_plan_vllm(plan, accept: str | None = None, k: int | None = None, max_tok
                   compare_full: bool = False, model=None, engine: KapEngine | None = None,
                   honor_predicted_loss: bool = True, source: str = "<plan>",
                   **engine_kwargs) -> dict:
-    from kapc.models import DEFAULT_MODEL
+    from kapc.models import MODELS
 
     h = plan.header
     if accept is not None:
         _checked_accept(accept)
     kk = int(k if k is not None else h.k)
     if engine is None:
-        model_dir = None if model in (None, "", DEFAULT_MODEL) else model
-        if model_dir is None and h.model not in ("", DEFAULT_MODEL) and Path(h.model).is_dir():
+        model_dir = model or None
+        if model_dir is None and (h.model in MODELS or (h.model and Path(h.model).is_dir())):
             model_dir = h.model
         bs = engine_block_size(h.block_size)
         key = (str(model_dir), bs, kk)
@@ -386,7 +414,7 @@ def run_plan_vllm(plan, accept: str | None = None, k: int | None = None, max_tok
     mode = "plan" if res["status"] == "plan" or res["proposed"] else "full"
     out = {
         "plan": h.name, "source": source, "engine": "vllm", "model": engine.model_dir,
-        "device": "cpu" if _on_cpu() else "cuda", "dtype": default_dtype(),
+        "device": "cpu" if _on_cpu() else "cuda", "dtype": engine.dtype,
         "prompt_tokens": len(ids), "text": res["text"], "tokens": res["tokens"],
         "generated_tokens": res["generated_tokens"],
         "finish_reason": "eos" if res["finish_reason"] == "stop" else res["finish_reason"],
@@ -437,9 +465,40 @@ def engine_kind(on_cpu: bool | None = None) -> str:
     return "vllm-cpu" if (_on_cpu() if on_cpu is None else on_cpu) else "vllm-gpu"
 
 
-def default_dtype(on_cpu: bool | None = None) -> str:
-    """fp32 on a CPU (the CPU kernels' tested path), vLLM's choice on a GPU."""
-    return "float32" if (_on_cpu() if on_cpu is None else on_cpu) else "auto"
+def default_dtype(on_cpu: bool | None = None, model_dir=None) -> str:
+    """The dtype an engine runs a model in, the same for plain vLLM and kapc: on a GPU, vLLM's
+    choice; on a CPU, the dtype the model is stored in (kapc.models.MODELS: SmolLM2 float32,
+    Qwen2.5 bfloat16) where the CPU has bfloat16 matmul instructions (AVX512-BF16 or AMX), else
+    float32 (vLLM-CPU's bfloat16 kernels need them; `bfloat16_note` says why)."""
+    if not (_on_cpu() if on_cpu is None else on_cpu):
+        return "auto"
+    if model_dir is not None and _stored_dtype(model_dir) == "bfloat16" and cpu_has_bf16():
+        return "bfloat16"
+    return "float32"
+
+
+def bfloat16_note(model_dir) -> str | None:
+    """Why a bfloat16 model runs in float32 on this CPU, or None."""
+    if _on_cpu() and _stored_dtype(model_dir) == "bfloat16" and not cpu_has_bf16():
+        return ("this CPU has no bfloat16 matmul instructions (AVX512-BF16 or AMX), so the "
+                "model's bfloat16 weights run in float32")
+    return None
+
+
+def cpu_has_bf16() -> bool:
+    import torch
+
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def _stored_dtype(model_dir) -> str | None:
+    import json
+
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg.get("dtype") or cfg.get("torch_dtype")
 
 
 def _on_cpu() -> bool:

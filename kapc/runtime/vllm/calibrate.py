@@ -27,36 +27,41 @@ class VllmBench:
         import torch
         import vllm
 
-        from kapc.models import ensure_default_model, load_assets
-        from kapc.runtime.vllm import check_vllm_version, engine_block_size, engine_kind
+        from kapc.models import load_assets, resolve
+        from kapc.runtime.vllm import (check_vllm_version, default_dtype, engine_block_size,
+                                       engine_kind, size_cpu_engine)
 
         check_vllm_version()
         self.engine = engine_kind()
         self.engine_version = vllm.__version__
-        self.model_dir = model_dir or ensure_default_model(weights=True)
+        self.model_dir = resolve(model_dir, weights=True)[0]
         assets = load_assets(str(self.model_dir))
         self.assets = assets
         self.model, self.fingerprint = assets.name, assets.fingerprint
         self.block_size = engine_block_size(block_size)
-        self.dtype = dtype or ("float32" if self.engine == "vllm-cpu" else "bfloat16")
+        self.dtype = dtype or default_dtype(self.engine == "vllm-cpu", self.model_dir)
+        positions = assets.context_tokens()
+        if max_context + 256 > positions:
+            raise KapcError(f"kapc calibrate: a {max_context:,}-token context and the steps timed "
+                            f"after it do not fit {assets.name}'s {positions:,} positions; time "
+                            f"contexts up to {positions - 256:,} (--contexts)")
+        self.max_model_len = max_context + 256
         self.device = "cpu" if self.engine == "vllm-cpu" else "cuda"
         # the in-process engine runs OMP with every core (make_engine(in_process=True))
         self.threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
         # every row's prompt KV stays cached (one prefill per prompt per engine), plus room to decode
-        kv_per_token = assets.kv_elements_per_token() * 4
-        need = max_batch * (max_context + 1024) * kv_per_token / 2**30
         self.max_context, self.max_batch = max_context, max_batch
-        self.kv_cache_gib = kv_cache_gib or max(2, int(need * 1.25) + 1)
-        room = compat.cpu_kv_room_gib() if self.engine == "vllm-cpu" else None
-        if room is not None and self.kv_cache_gib > room:
-            fits = [b for b in (1, 2, 4, 8, 12, 16, 24, 32)
-                    if max(2, int(b * need / max_batch * 1.25) + 1) <= room]
-            raise KapcError(
-                f"kapc calibrate: batch {max_batch} at {max_context} tokens needs a "
-                f"{self.kv_cache_gib} GiB KV cache, and vLLM-CPU allocates it on NUMA node 0, "
-                f"which has {room:.1f} GiB free; time smaller batches"
-                + (f" (--batches up to {max(fits)})" if fits else "")
-                + " or shorter contexts (--contexts)")
+        if self.engine == "vllm-cpu":
+            try:
+                self.kv_cache_gib = size_cpu_engine(
+                    self.model_dir, self.dtype, max_context + 1024, max_batch,
+                    requested_gib=kv_cache_gib, draft_copies=True,
+                    what="kapc calibrate").kv_cache_gib
+            except KapcError as exc:
+                raise KapcError(f"{exc}; time smaller batches (--batches) or shorter contexts "
+                                f"(--contexts)") from None
+        else:
+            self.kv_cache_gib = kv_cache_gib
         self.note = "rows decode distinct prompts; plans are synthetic selections of s of a prompt"
         # how kapc's engine runs (calibrate.ENGINE_SETUP; the proposer says, once it is up)
         self.attention_kernel = self.draft_weights = ""
@@ -74,7 +79,7 @@ class VllmBench:
             self.close()
             self._eng = make_engine(self.model_dir, block_size=self.block_size,
                                     k=K_MAX if method == "kapc" else 4, method=method,
-                                    max_model_len=min(8192, self.max_context + 256),
+                                    max_model_len=self.max_model_len,
                                     max_num_seqs=self.max_batch, kv_cache_gib=self.kv_cache_gib,
                                     in_process=True, dtype=self.dtype)
             self._method = method

@@ -62,18 +62,20 @@ def server_command(model: str | None = None, *, host: str = "127.0.0.1", port: i
     from kapc.policy import CPU_BLOCK_MULTIPLE, ENGINE_BLOCK_SIZE
     from kapc.runtime.vllm import (PROPOSER_CLASS, SCHEDULER_CLASS, WORKER_EXTENSION_CLASS,
                                    VLLMUnsupported, check_model_supported, check_vllm_version,
-                                   default_dtype, engine_kind)
+                                   default_dtype, engine_kind, size_cpu_engine)
+    from kapc.memory import EngineMemoryError
     from kapc.runtime.vllm.compat import api_server_module
 
     try:
         check_vllm_version()
     except VLLMUnsupported as exc:
         raise ServeError(str(exc)) from None
-    if model is None:
-        from kapc.models import ensure_default_model
+    from kapc.models import ModelError, resolve
 
-        model = str(ensure_default_model(weights=True))
-    model_dir = Path(model)
+    try:
+        model_dir = resolve(model, weights=True)[0]
+    except ModelError as exc:
+        raise ServeError(str(exc)) from None
     if not (model_dir / "config.json").is_file():
         raise ServeError(f"{model}: not a model folder (no config.json)")
     if hook:
@@ -93,15 +95,21 @@ def server_command(model: str | None = None, *, host: str = "127.0.0.1", port: i
     if k < 1:
         raise ServeError(f"--k {k}: the proposal length must be at least 1")
     name = served_model_name or model_dir.name
+    dtype = dtype or default_dtype(on_cpu, model_dir)
     argv = [sys.executable, "-m", api_server_module(), "--model", str(model_dir),
             "--served-model-name", name, "--host", host, "--port", str(port),
-            "--block-size", str(block_size), "--dtype", dtype or default_dtype()]
+            "--block-size", str(block_size), "--dtype", dtype]
     if on_cpu:
         argv.append("--enforce-eager")
         sized = any(a.startswith("--kv-cache-memory-bytes") for a in extra) \
             or os.environ.get("VLLM_CPU_KVCACHE_SPACE")
         if kv_cache_gib is not None or not sized:
             gib = CPU_KV_CACHE_GIB if kv_cache_gib is None else kv_cache_gib
+            try:  # checked here, so a server that cannot fit says so instead of being killed
+                size_cpu_engine(model_dir, dtype, max_model_len, 1, requested_gib=gib,
+                                draft_copies=hook, what="kapc serve")
+            except EngineMemoryError as exc:
+                raise ServeError(str(exc)) from None
             argv += ["--kv-cache-memory-bytes", str(int(gib * 2 ** 30))]
     if max_model_len is not None:
         argv += ["--max-model-len", str(max_model_len)]
