@@ -10,6 +10,7 @@ up to the question and a sweep prefills each context once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -20,7 +21,9 @@ import msgspec
 
 from kapc.prior import Message, Prior, Request, Segment, decode_prior, encode_prior
 
-DATASETS = ("hotpotqa", "squad")
+# "hotpotqa-shared": the questions of a batch read one long document (kapc.frontend.longctx.
+# build_hotpotqa_shared), so a long context is prefilled once per batch instead of once a row.
+DATASETS = ("hotpotqa", "squad", "hotpotqa-shared")
 LENGTHS = (1024, 2048, 4096, 8192)
 INSTRUCTION = "Answer the question using the passages."
 # The ask after the question, per workload. `short`: the HotpotQA short answer; `long`: an answer
@@ -49,7 +52,7 @@ def question_indices(dataset: str, n: int, first: int = 0) -> list[int]:
     an unanswerable question has no gold answer to score)."""
     from kapc.frontend import data
 
-    if dataset == "hotpotqa":
+    if dataset in ("hotpotqa", "hotpotqa-shared"):
         total = len(data.load_hotpotqa())
         return list(range(first, min(first + n, total)))
     if dataset == "squad":
@@ -61,14 +64,20 @@ def prior_path(out: Path, key: CaseKey) -> Path:
     return Path(out) / "priors" / key.dataset / f"{key.index}-{key.length}.json"
 
 
-def build_prior(key: CaseKey, context_tokens: int, frontend: str = "graph") -> Prior:
-    """The frontend's prior for one case, its own time in `meta["bench"]`."""
+def build_prior(key: CaseKey, context_tokens: int, frontend: str = "graph",
+                model: str | None = None, chunk: tuple[int, ...] = ()) -> Prior:
+    """The frontend's prior for one case, its own time in `meta["bench"]`. A shared-document
+    case reads the document of its batch's questions (`chunk`)."""
     from kapc.frontend.hybrid import score_request
     from kapc.frontend.longctx import build_hotpotqa, build_squad
 
     t0 = time.perf_counter()
-    build = build_hotpotqa if key.dataset == "hotpotqa" else build_squad
-    lc = build(key.index, context_tokens, instruction=INSTRUCTION)
+    if key.dataset == "hotpotqa-shared":
+        lc = _shared_document(tuple(chunk or (key.index,)), context_tokens, model)[
+            (chunk or (key.index,)).index(key.index)]
+    else:
+        build = build_hotpotqa if key.dataset == "hotpotqa" else build_squad
+        lc = build(key.index, context_tokens, instruction=INSTRUCTION, model=model)
     meta = dict(lc.meta(), bench={"length": key.length, "context_tokens": context_tokens})
     prior = score_request(lc.request, f"{key.dataset}-{lc.question_id}-{key.length}", frontend,
                           meta=meta)
@@ -76,15 +85,25 @@ def build_prior(key: CaseKey, context_tokens: int, frontend: str = "graph") -> P
     return prior
 
 
+@functools.lru_cache(maxsize=4)
+def _shared_document(chunk: tuple[int, ...], context_tokens: int, model: str | None):
+    from kapc.frontend.longctx import build_hotpotqa_shared
+
+    return build_hotpotqa_shared(chunk, context_tokens, instruction=INSTRUCTION, model=model)
+
+
 def build_priors(out: Path, keys: list[CaseKey], context_tokens: dict[int, int],
-                 frontend: str = "graph") -> int:
+                 frontend: str = "graph", model: str | None = None,
+                 chunks: dict[tuple[str, int], tuple[int, ...]] | None = None) -> int:
     """Build and save every missing prior (run in a process of its own: the frontend's libraries
-    must not share a process with an in-process vLLM engine). Returns how many were built."""
+    must not share a process with an in-process vLLM engine). `chunks`: each shared-document
+    case's batch of questions. Returns how many were built."""
     from kapc.frontend.progress import steps
 
     missing = [k for k in keys if not prior_path(out, k).exists()]
     for key in steps(missing, "kapc bench: frontend: prior", lambda k: k.name):
-        prior = build_prior(key, context_tokens[key.length], frontend)
+        prior = build_prior(key, context_tokens[key.length], frontend, model,
+                            (chunks or {}).get((key.dataset, key.index), ()))
         path = prior_path(out, key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -136,12 +155,12 @@ def physical_concat(prior: Prior, kept_ids: list[str]) -> Request:
     return _request(system, [p for p in passages if p.id in keep], question)
 
 
-def random_concat(prior: Prior, budget: int, seed: str) -> Request:
+def random_concat(prior: Prior, budget: int, seed: str, model: str | None = None) -> Request:
     """Passages drawn at random (seeded by `seed`) while the prompt stays within `budget` tokens,
     kept in their prompt order."""
     from kapc.frontend.prompt import prompt_tokenizer
 
-    pt = prompt_tokenizer()
+    pt = prompt_tokenizer(model)
     system, passages, question = _parts(prior)
     order = list(range(len(passages)))
     random.Random(seed).shuffle(order)
@@ -159,13 +178,13 @@ def random_concat(prior: Prior, budget: int, seed: str) -> Request:
     return _request(system, [passages[i] for i in sorted(chosen)], question)
 
 
-def local_window(prior: Prior, budget: int) -> Request:
+def local_window(prior: Prior, budget: int, model: str | None = None) -> Request:
     """Fixed windows of the serialised context, with no use of the priors: the first and the last
     tokens of the passages (half the budget each, the StreamingLLM shape of sink and recent
     window), so the prompt stays within `budget` tokens."""
     from kapc.frontend.prompt import prompt_tokenizer
 
-    pt = prompt_tokenizer()
+    pt = prompt_tokenizer(model)
     system, passages, question = _parts(prior)
     context = "".join(p.text for p in passages)
     ids = pt.tokenizer.encode(context, add_special_tokens=False).ids
@@ -183,12 +202,12 @@ def local_window(prior: Prior, budget: int) -> Request:
     return _request(system, [], question)
 
 
-def prompt_ids(request: Request) -> list[int]:
+def prompt_ids(request: Request, model: str | None = None) -> list[int]:
     """The token ids of a request rendered with the model's chat template (as the compiler's
     align-spans renders it)."""
     from kapc.frontend.prompt import prompt_tokenizer
 
-    pt = prompt_tokenizer()
+    pt = prompt_tokenizer(model)
     return list(pt.tokenizer.encode(pt.render(request), add_special_tokens=False).ids)
 
 

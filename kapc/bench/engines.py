@@ -42,11 +42,11 @@ class VllmEngine:
     """One vLLM engine (`kind` "plain" or "kapc"), started in this process."""
 
     def __init__(self, kind: str, block_size: int, max_model_len: int, batch: int, k: int,
-                 kv_cache_gib: float = 4.0):
+                 kv_cache_gib: float | None = None, model: str | None = None):
         from kapc.runtime.vllm import make_engine
 
         self.kind = kind
-        self.eng = make_engine(block_size=block_size, k=k,
+        self.eng = make_engine(model, block_size=block_size, k=k,
                                method="kapc" if kind == "kapc" else "none",
                                max_model_len=max_model_len, max_num_seqs=batch,
                                kv_cache_gib=kv_cache_gib, in_process=True)
@@ -86,19 +86,19 @@ class ReferenceEngine:
     """kapc's reference executor (plain PyTorch over a paged KV cache)."""
 
     def __init__(self, kind: str, block_size: int, max_model_len: int, batch: int, k: int,
-                 kv_cache_gib: float = 4.0):
+                 kv_cache_gib: float | None = None, model: str | None = None):
         from kapc.runtime.executor import Executor
         from kapc.runtime.model import load_model
 
         self.kind = kind
-        self.model = load_model(None)
-        self.ex = Executor(self.model, block_size=block_size, kv_cache_gib=kv_cache_gib)
+        self.model = load_model(model)
+        self.ex = Executor(self.model, block_size=block_size, kv_cache_gib=kv_cache_gib or 4.0)
 
     def decode(self, prompts, plans, max_tokens, accept=None, honor=False) -> BatchRun:
         from kapc.runtime.executor import Request
 
         self.ex.honor_predicted_loss = honor
-        plans = plans or [None] * len(prompts)
+        plans = [_loaded(p) for p in plans or [None] * len(prompts)]
         res, stats = self.ex.generate([Request(p, plan=pl, max_tokens=max_tokens, accept=accept)
                                        for p, pl in zip(prompts, plans)])
         tok = self.model.tokenizer
@@ -115,11 +115,21 @@ class ReferenceEngine:
         from kapc.runtime.executor import Request
 
         t0 = time.perf_counter()
-        self.ex.generate([Request(prompt, plan=plan, max_tokens=1)])
+        self.ex.generate([Request(prompt, plan=_loaded(plan), max_tokens=1)])
         return time.perf_counter() - t0
 
     def close(self) -> None:
         self.ex = None
+
+
+def _loaded(plan):
+    """The executor takes a loaded plan; the sweep hands `.kapb` bytes (what vLLM's requests
+    carry)."""
+    if isinstance(plan, (bytes, bytearray)):
+        from kapc.lower.kapb import decode_plan
+
+        return decode_plan(bytes(plan))
+    return plan
 
 
 ENGINES = {"vllm": VllmEngine, "reference": ReferenceEngine}

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from kapc.bench import cases
 from kapc.errors import KapcError
+from kapc.models import DEFAULT_MODEL
 from kapc.frontend.progress import steps
 
 METHODS = ("full", "kapc", "kapc-top3", "physical", "random", "window")
@@ -51,8 +52,9 @@ class BenchConfig:
     frontend: str = "graph"
     as_planned: bool = False  # honour the plans' fallback rules (default: every plan runs)
     block_size: int = 32
-    kv_cache_gib: float = 4.0
+    kv_cache_gib: float | None = None  # None: sized from the model, length and batch
     round_questions: int = 32  # questions every method decodes before the next round starts
+    model: str = "smollm2-135m-instruct"  # a registered model's name or a Hugging Face folder
 
     def check(self) -> None:
         bad = [m for m in self.methods if m not in METHODS]
@@ -73,6 +75,13 @@ class BenchConfig:
             raise BenchError("--questions, --batch and --round must be at least 1")
         if any(n < 256 for n in self.lengths):
             raise BenchError("every length must be at least 256 tokens")
+        positions = model_positions(self.model)
+        too_long = [n for n in self.lengths if n > positions]
+        if too_long:
+            raise BenchError(
+                f"--lengths {', '.join(map(str, too_long))}: {model_label(self.model)} holds "
+                f"{positions:,} positions; a length is the whole sequence an engine holds "
+                f"(prompt, ask, output and lookahead), so it cannot exceed them")
         if self.k != "auto" and not (self.k.isdigit() and 1 <= int(self.k) <= MAX_K):
             raise BenchError(f"--k is auto or 1..{MAX_K}, not {self.k!r}")
 
@@ -84,26 +93,39 @@ class BenchConfig:
         return {"engine": self.engine, "baseline": self.baseline, "batch": self.batch,
                 "k": self.k, "short_tokens": self.short_tokens, "long_tokens": self.long_tokens,
                 "frontend": self.frontend, "as_planned": self.as_planned,
-                "block_size": self.block_size, "first": self.first}
+                "block_size": self.block_size, "first": self.first,
+                # a length is the whole sequence (`context_tokens`); sweeps made when it was the
+                # prompt, cut at the model's positions, cannot be resumed as if it were
+                "length": "sequence",
+                **({} if self.model == DEFAULT_MODEL else {"model": model_label(self.model)})}
 
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def model_positions() -> int:
-    """The model's position limit (SmolLM2-135M: 8192)."""
+def model_positions(model: str | None = None) -> int:
+    """The model's position limit (SmolLM2-135M: 8192; Qwen2.5-Coder-0.5B: 32768)."""
     from kapc.models import load_assets
 
-    return int(load_assets(None).config.get("max_position_embeddings") or 1 << 30)
+    return load_assets(model).context_tokens()
 
 
-def context_tokens(cfg: BenchConfig, length: int, positions: int) -> int:
-    """The context a length's prompts are built to: the prompt, the ask, the longest output and
-    the proposal's lookahead must stay within the model's positions (SmolLM2: 8192, which vLLM
-    enforces), so '8K' is 8192 less those."""
+def model_label(model: str | None) -> str:
+    """A registered model's name, or a folder's name: what rows and reports call the model."""
+    from kapc.models import load_assets
+
+    return load_assets(model).name
+
+
+def context_tokens(cfg: BenchConfig, length: int) -> int:
+    """The context a length's prompts are built to. A length is the whole sequence the engine
+    holds (at most the model's positions, which vLLM enforces; `BenchConfig.check` refuses a
+    longer one), so the prompt is that less the ask, the longest output, the proposal's
+    lookahead and a block: '8K' on SmolLM2 is a 7.9K-token prompt. Each row's prior records it
+    (`meta.bench.context_tokens`)."""
     room = max(cfg.short_tokens, cfg.long_tokens) + 2 * MAX_K + cfg.block_size + cases.ASK_ROOM
-    return min(length, positions - room)
+    return length - room
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,7 +218,7 @@ def compile_context(cfg: BenchConfig):
         from kapc.runtime.vllm import engine_kind
 
         engine = engine_kind()
-    return CompileContext(engine=engine)
+    return CompileContext(cfg.model, engine=engine)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,7 +238,7 @@ def work_items(cfg: BenchConfig) -> list[tuple]:
     return items
 
 
-def build_all_priors(cfg: BenchConfig, positions: int, rows: dict) -> None:
+def build_all_priors(cfg: BenchConfig, rows: dict) -> None:
     """The priors of the cases still to decode or to time. A case whose rows are all there needs
     none (quality and the report read rows only), so a sweep resumed from its results files
     alone does not run the frontend again for what it has."""
@@ -225,7 +247,7 @@ def build_all_priors(cfg: BenchConfig, positions: int, rows: dict) -> None:
             for i in chunk}
     need |= {(d, i, n) for d, n, _, i in ttft_todo(cfg, list(cfg.methods))}
     keys = [cases.CaseKey(d, i, n) for d, i, n in sorted(need)]
-    ctx = {n: context_tokens(cfg, n, positions) for n in cfg.lengths}
+    ctx = {n: context_tokens(cfg, n) for n in cfg.lengths}
     missing = [k for k in keys if not cases.prior_path(cfg.out, k).exists()]
     if not missing:
         return
@@ -234,7 +256,9 @@ def build_all_priors(cfg: BenchConfig, positions: int, rows: dict) -> None:
     # The frontend's libraries (spaCy, sentence-transformers) must not share a process with an
     # in-process vLLM engine (docs/vllm.md), so they run in a child.
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        pool.submit(cases.build_priors, Path(cfg.out), missing, ctx, cfg.frontend).result()
+        chunks = {(d, i): chunk for d, chunk, _, _ in work_items(cfg) for i in chunk}
+        pool.submit(cases.build_priors, Path(cfg.out), missing, ctx, cfg.frontend,
+                    cfg.model, chunks).result()
 
 
 def _row(key: cases.CaseKey, workload, method, prior, prompt, out, run, batch_id, extra):
@@ -265,8 +289,8 @@ def run_phase(cfg: BenchConfig, kind: str, methods: list[str], rows: dict) -> No
 
     _log(f"kapc bench: starting the {kind} {cfg.engine} engine for {', '.join(methods)} "
          f"({len(items)} batches to decode, {len(ttft)} cold prefills to time)")
-    eng = ENGINES[cfg.engine](kind, cfg.block_size, model_positions(), cfg.batch, MAX_K,
-                              cfg.kv_cache_gib)
+    eng = ENGINES[cfg.engine](kind, cfg.block_size, max(cfg.lengths), cfg.batch, MAX_K,
+                              cfg.kv_cache_gib, model=cfg.model)
     ctx = compile_context(cfg)
     try:
         decode_items(cfg, eng, ctx, items, methods, rows)
@@ -282,13 +306,13 @@ def decode_items(cfg: BenchConfig, eng, ctx, items: list[tuple], methods: list[s
                                    lambda it: f"{it[0]} q{it[1][0]}.. at {it[2]}, {it[3]}"):
         keys = [cases.CaseKey(d, i, n) for i in chunk]
         priors = [cases.for_workload(cases.load_prior(cfg.out, k), w) for k in keys]
-        full_ids = [cases.prompt_ids(p.request) for p in priors]
+        full_ids = [cases.prompt_ids(p.request, cfg.model) for p in priors]
         compiled = {rule: [compile_case(p, cfg, rule, ctx) for p in priors]
                     for rule in {PLAN_RULE.get(m, "greedy") for m in methods}}
         for m in methods:
             if all((d, w, n, m, i) in rows for i in chunk):
                 continue
-            prompts, plans, extras = _method_inputs(m, priors, full_ids, compiled)
+            prompts, plans, extras = _method_inputs(m, priors, full_ids, compiled, cfg.model)
             run = eng.decode(prompts, plans, cfg.max_tokens(w), honor=cfg.as_planned)
             batch_id = f"{d}/{w}/{n}/{m}/{chunk[0]}@{int(time.time())}"
             new = [_row(k, w, m, p, ids, o, run, batch_id, x)
@@ -297,7 +321,7 @@ def decode_items(cfg: BenchConfig, eng, ctx, items: list[tuple], methods: list[s
             rows.update({row_key(r): r for r in new})
 
 
-def _method_inputs(method, priors, full_ids, compiled):
+def _method_inputs(method, priors, full_ids, compiled, model):
     """(prompts, plans or None, per-row extra fields) for one method over a chunk."""
     greedy = compiled["greedy"]
     if method in PLAN_RULE:
@@ -313,15 +337,17 @@ def _method_inputs(method, priors, full_ids, compiled):
         return full_ids, [c.plan for c in comp], extras
     if method == "full":
         return full_ids, None, [{} for _ in priors]
-    physical = [cases.prompt_ids(cases.physical_concat(p, c.kept)) for p, c in zip(priors, greedy)]
+    physical = [cases.prompt_ids(cases.physical_concat(p, c.kept), model)
+                for p, c in zip(priors, greedy)]
     if method == "physical":
         return physical, None, [{"compile_s": c.seconds, "kept": c.kept} for c in greedy]
     budgets = [len(x) for x in physical]  # matched to the plan's materialised evidence
     if method == "random":
-        reqs = [cases.random_concat(p, b, seed=p.name) for p, b in zip(priors, budgets)]
+        reqs = [cases.random_concat(p, b, seed=p.name, model=model)
+                for p, b in zip(priors, budgets)]
     else:
-        reqs = [cases.local_window(p, b) for p, b in zip(priors, budgets)]
-    return [cases.prompt_ids(r) for r in reqs], None, [{"budget": b} for b in budgets]
+        reqs = [cases.local_window(p, b, model) for p, b in zip(priors, budgets)]
+    return [cases.prompt_ids(r, model) for r in reqs], None, [{"budget": b} for b in budgets]
 
 
 def ttft_todo(cfg: BenchConfig, methods: list[str]) -> list[tuple]:
@@ -351,8 +377,8 @@ def measure_ttft(cfg: BenchConfig, eng, ctx, todo: list[tuple]) -> None:
         prior = cases.for_workload(cases.load_prior(cfg.out, cases.CaseKey(d, i, n)), "short")
         rule = PLAN_RULE.get(m, "greedy")
         comp = compile_case(prior, cfg, rule, ctx)
-        prompts, plans, _ = _method_inputs(m, [prior], [cases.prompt_ids(prior.request)],
-                                           {"greedy": [comp], rule: [comp]})
+        prompts, plans, _ = _method_inputs(m, [prior], [cases.prompt_ids(prior.request, cfg.model)],
+                                           {"greedy": [comp], rule: [comp]}, cfg.model)
         if warm:  # the engine's first request pays one-off costs
             eng.ttft(prompts[0], plans[0] if plans else None)
             warm = False
@@ -393,7 +419,6 @@ def run_sweep(cfg: BenchConfig) -> Path:
 
     cfg.check()
     start_config(cfg)
-    positions = model_positions()
     rows = read_rows(Path(cfg.out) / RESULTS)
     phases: dict[str, list[str]] = {}
     for m in cfg.methods:
@@ -404,7 +429,7 @@ def run_sweep(cfg: BenchConfig) -> Path:
         part = dataclasses.replace(cfg, questions=upto)
         if len(todo) > 1:
             _log(f"kapc bench: round {j + 1}/{len(todo)}: questions up to {upto}")
-        build_all_priors(part, positions, rows)
+        build_all_priors(part, rows)
         for kind, methods in phases.items():
             run_phase(part, kind, methods, rows)
         quality.score(cfg.out)

@@ -38,7 +38,7 @@ from kapc.frontend import data
 from kapc.frontend.errors import FrontendError, require
 from kapc.frontend.prompt import (DEFAULT_INSTRUCTION, chat_request, passage_text,
                                   prompt_tokenizer)
-from kapc.models import prepare_default_model
+from kapc.models import load_assets, prepare
 from kapc.prior import Request, Segment
 
 BLOCK = 8
@@ -289,6 +289,10 @@ def _fit(base: list[data.Paragraph], base_origins: list[str], negatives, questio
          target: int, model: str | None, instruction: str):
     """Longest prefix of `base + negatives` whose rendered prompt fits `target` tokens."""
     pt = prompt_tokenizer(model)
+    positions = load_assets(model).context_tokens()
+    if target > positions:
+        raise FrontendError(f"context tokens {target:,}: {pt.model} holds {positions:,} positions; "
+                            f"ask for {positions:,} or fewer")
 
     def total(paragraphs: list[data.Paragraph]) -> int:
         return pt.request_tokens(chat_request(_segments(paragraphs), question, instruction))
@@ -369,8 +373,7 @@ def build_hotpotqa(index: int | None = None, context_tokens: int = 4096, *, qid:
     gold = set(q.gold_titles)
     base = list(q.paragraphs)
     origins = ["gold" if p.title in gold else "distractor" for p in base]
-    if model is None:  # the tokenizer is extracted while the index is built
-        prepare_default_model()
+    prepare(model)  # the tokenizer is extracted while the index is built
     pool = hotpotqa_pool()
 
     def negatives():
@@ -399,8 +402,7 @@ def build_squad(index: int | None = None, context_tokens: int = 4096, *, qid: st
     q = data.squad_question(index=index, qid=qid)
     paragraphs = data.squad_paragraphs()
     base = [paragraphs[q.paragraph]]
-    if model is None:  # the tokenizer is extracted while the index is built
-        prepare_default_model()
+    prepare(model)  # the tokenizer is extracted while the index is built
     pool = squad_pool()
 
     def negatives():
@@ -416,3 +418,62 @@ def build_squad(index: int | None = None, context_tokens: int = 4096, *, qid: st
         target_tokens=context_tokens, prompt_tokens=n,
         request=chat_request(_segments(chosen), q.question, instruction), seed=seed,
         model=pt.model, extra={"is_impossible": q.is_impossible, "article": q.title})
+
+
+# ---------------------------------------------------------------------------------------------
+# One long document, several questions
+
+def build_hotpotqa_shared(indices: tuple[int, ...] | list[int], context_tokens: int = 16384, *,
+                          seed: int | None = 0, model: str | None = None,
+                          instruction: str = DEFAULT_INSTRUCTION) -> list[LongContext]:
+    """One long document read by several HotpotQA dev questions, one LongContext per question.
+
+    The document holds every question's own ten paragraphs (gold and distractors), question by
+    question in `indices` order, then the first question's hard negatives to `context_tokens`;
+    each question's request is that document followed by its own question. So every request of
+    a batch shares the whole document as a cached prefix (a long context is prefilled once, not
+    once per question), each question's gold passages sit at a different depth (the last
+    question's deepest), and the other questions' paragraphs are distractors to it. Where the
+    questions' own paragraphs do not fit, distractors are dropped from the end, never gold."""
+    _check_target(context_tokens)
+    questions = [data.hotpotqa_question(index=i) for i in indices]
+    if not questions:
+        raise FrontendError("a shared document needs at least one question")
+    prepare(model)  # the tokenizer is extracted while the index is built
+    pool = hotpotqa_pool()
+    base: list[data.Paragraph] = []
+    seen_titles: set[str] = set()
+    all_gold = {t for q in questions for t in q.gold_titles}
+    for q in questions:
+        for p in q.paragraphs:
+            if p.title not in seen_titles:
+                seen_titles.add(p.title)
+                base.append(p)
+    origins = ["gold" if p.title in all_gold else "distractor" for p in base]
+
+    def negatives():
+        for i in _hotpot_negatives(questions[0].index, seed):
+            p = pool.paragraphs[i]
+            if p.title not in seen_titles:
+                yield p
+
+    # fit with the longest question, so that every question's prompt fits the target
+    longest = max((q.question for q in questions), key=len)
+    chosen, _, _ = _fit(base, origins, negatives(), longest, context_tokens, model, instruction)
+    segs = _segments(chosen)
+    pt = prompt_tokenizer(model)
+    key = ",".join(str(q.index) for q in questions)
+    out = []
+    for q in questions:
+        gold, own = set(q.gold_titles), {p.title for p in q.paragraphs}
+        request = chat_request(segs, q.question, instruction)
+        out.append(LongContext(
+            dataset="hotpotqa", question_id=q.id, question_index=q.index, question=q.question,
+            answers=(q.answer,), passages=tuple(chosen),
+            origins=tuple("gold" if p.title in gold else "distractor" if p.title in own
+                          else "negative" for p in chosen),
+            target_tokens=context_tokens, prompt_tokens=pt.request_tokens(request),
+            request=request, seed=seed, model=pt.model,
+            extra={"type": q.type, "level": q.level, "shared_document": key,
+                   "supporting_facts": [[t, k] for t, k in q.supporting_facts]}))
+    return out

@@ -48,11 +48,14 @@ def test_results_file_survives_a_torn_line(tmp_path):
     assert rows[("hotpotqa", "short", 1024, "full", 0)]["text"] == "b"
 
 
-def test_context_leaves_room_for_output_and_lookahead():
+def test_a_length_is_the_whole_sequence_the_engine_holds():
     cfg = BenchConfig(out=".")
-    assert R.context_tokens(cfg, 1024, 8192) == 1024
-    n = R.context_tokens(cfg, 8192, 8192)
-    assert n + cfg.long_tokens + 2 * R.MAX_K + cfg.block_size + 32 <= 8192
+    for length in (1024, 8192):
+        n = R.context_tokens(cfg, length)
+        assert n + cfg.long_tokens + 2 * R.MAX_K + cfg.block_size + 32 == length
+    # the room follows the output cap, so a longer answer leaves a shorter prompt
+    assert R.context_tokens(BenchConfig(out=".", long_tokens=260), 8192) == \
+        R.context_tokens(cfg, 8192) - 100
 
 
 def test_work_items_reuse_the_prefix_cache(tmp_path):

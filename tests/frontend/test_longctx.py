@@ -115,3 +115,29 @@ def test_squad_long_context(tokenizer):
     assert a.prompt_tokens <= 1024 and b.prompt_tokens <= 3000
     assert b.prompt_tokens == tokenizer.request_tokens(b.request)
     assert 3000 - b.prompt_tokens <= 0.05 * 3000 + 200
+
+
+def test_a_shared_document_is_one_prefix_with_each_questions_gold_at_its_own_depth():
+    from kapc.frontend.prompt import prompt_tokenizer
+
+    indices = (0, 1, 2)
+    rows = longctx.build_hotpotqa_shared(indices, 4096)
+    assert [r.question_index for r in rows] == list(indices)
+    assert len({r.passages for r in rows}) == 1  # one document for all
+    pt = prompt_tokenizer()
+    ids = [pt.tokenizer.encode(pt.render(r.request), add_special_tokens=False).ids for r in rows]
+    # every prompt is the same document followed by its own question, within the target
+    question_tokens = max(len(pt.tokenizer.encode(r.question).ids) for r in rows) + 16
+    common = 0
+    while all(len(x) > common and x[common] == ids[0][common] for x in ids):
+        common += 1
+    assert common >= min(map(len, ids)) - question_tokens
+    assert all(r.prompt_tokens == len(x) <= 4096 for r, x in zip(rows, ids))
+    depths = []
+    for r in rows:
+        q = data.hotpotqa_question(index=r.question_index)
+        gold = [i for i, o in enumerate(r.origins) if o == "gold"]
+        assert {r.passages[i].title for i in gold} == set(q.gold_titles)
+        depths.append(min(gold))
+        assert r.meta()["shared_document"] == "0,1,2"
+    assert depths == sorted(depths) and len(set(depths)) == len(depths)
