@@ -232,7 +232,8 @@ def _cases(m, L: int, n: int, args) -> list:
     if args.plans == "gold":
         out = []
         for i in range(n):
-            p = build_long_prompt(m.tokenizer, first + i, fit_context(L, args.new_tokens, k, bs))
+            p = build_long_prompt(m.tokenizer, first + i,
+                                  fit_context(L, args.new_tokens, k, bs, args.model))
             blocks = p.instruction_blocks(bs) + p.gold_blocks(bs) + p.question_blocks(bs)
 
             def make(B, budget, p=p, blocks=blocks, i=i):
@@ -245,12 +246,13 @@ def _cases(m, L: int, n: int, args) -> list:
     from kapc.frontend.hybrid import hotpotqa_prior
     from kapc.passes import CompileContext
 
-    ctx = CompileContext()
+    ctx = CompileContext(args.model)
     out = []
     for i in range(first, first + n):
         t0 = time.perf_counter()
-        prior = hotpotqa_prior(i, context_tokens=fit_context(L, args.new_tokens, k, bs),
-                               frontend=args.frontend)
+        prior = hotpotqa_prior(i, context_tokens=fit_context(L, args.new_tokens, k, bs,
+                                                             args.model),
+                               frontend=args.frontend, model=args.model)
         memo = {}
 
         def make(B, budget, prior=prior, memo=memo):

@@ -92,13 +92,13 @@ def _selected(prior, passes, ctx) -> tuple[set[str], float]:
     return {k.id for k in out.keep if k.why == "evidence"}, out.select.kept / out.prompt.tokens
 
 
-def run_one(index: int, length: int, passes, ctx) -> dict:
+def run_one(index: int, length: int, passes, ctx, model: str | None = None) -> dict:
     """Build one prompt, score it once (sparse, dense, fusion, and the graph under each graph
     config), and compile every variant's prior."""
     from kapc.frontend import hybrid
     from kapc.frontend.longctx import build_hotpotqa
     t0, c0 = time.perf_counter(), time.process_time()
-    lc = build_hotpotqa(index, length)
+    lc = build_hotpotqa(index, length, model=model)
     t1 = time.perf_counter()
     passages, question = hybrid.request_parts(lc.request)
     meta = lc.meta()
@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--questions", type=int, default=500, help="how many questions (default 500)")
     ap.add_argument("--start", type=int, default=0, help="first question index (default 0)")
     ap.add_argument("--lengths", default="4096,8192", help="prompt lengths in tokens")
+    ap.add_argument("--model", default=None,
+                    help="a model's name (smollm2-135m-instruct, the default) or a Hugging Face folder")
     ap.add_argument("--budget-ratio", type=float, default=0.1,
                     help="select budget as a share of the prompt (default 0.1)")
     ap.add_argument("--select", default="",
@@ -198,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
 
     options = ",".join(o for o in (f"budget-ratio={args.budget_ratio}", args.select) if o)
     passes = parse_pipeline(f"ground,align-spans,select{{{options}}}")
-    ctx = CompileContext()
+    ctx = CompileContext(args.model)
     rows: list[dict] = []
     done: set[tuple[int, int]] = set()
     if args.jsonl and args.resume and args.jsonl.exists():
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     # Longest first per question: shorter prompts are prefixes, so their embeddings and entities
     # are cached (in-process, by text) when the shorter one comes.
     for i, n in track(todo, "scoring and compiling", total=len(todo)):
-        row = run_one(i, n, passes, ctx)
+        row = run_one(i, n, passes, ctx, args.model)
         rows.append(row)
         new_rows.append(row)
         if sink:

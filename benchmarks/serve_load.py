@@ -33,7 +33,8 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def build_priors(contexts: list[int], questions: int, first: int, max_tokens: int) -> list[dict]:
+def build_priors(contexts: list[int], questions: int, first: int, max_tokens: int,
+                 model: str | None = None) -> list[dict]:
     """[{"key", "context", "messages", "prior"}] for HotpotQA dev questions at each length."""
     from benchmarks.vllm_decode import fit_context
     from kapc.client import chat_messages
@@ -45,7 +46,8 @@ def build_priors(contexts: list[int], questions: int, first: int, max_tokens: in
     for c in contexts:
         for i in range(first, first + questions):
             t0 = time.perf_counter()
-            prior = hotpotqa_prior(i, context_tokens=fit_context(c, max_tokens, MAX_AUTO_K, 32))
+            prior = hotpotqa_prior(i, context_tokens=fit_context(c, max_tokens, MAX_AUTO_K, 32,
+                                                                 model), model=model)
             pool.append({"key": f"q{i}@{c}", "context": c, "messages": chat_messages(prior),
                          "prior": encode_prior(prior, indent=0).decode()})
             _log(f"  prior q{i} at {c} ({time.perf_counter() - t0:.1f}s)")
@@ -138,6 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--questions", type=int, default=16, help="distinct questions per context")
     ap.add_argument("--first", type=int, default=0, help="first HotpotQA dev question")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--model", default=None,
+                    help="a model's name (smollm2-135m-instruct, the default) or a Hugging Face folder")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--warm", action="store_true",
                     help="prefill every distinct prompt once (one token, no plan) before timing, "
@@ -148,14 +152,14 @@ def main(argv=None) -> int:
     from kapc.runtime.vllm.serve import free_port, running, server_command
 
     _log(f"building {len(args.contexts) * args.questions} priors")
-    pool = build_priors(args.contexts, args.questions, args.first, args.max_tokens)
+    pool = build_priors(args.contexts, args.questions, args.first, args.max_tokens, args.model)
     jobs = [pool[i % len(pool)] for i in range(args.requests)]
     max_len = max(args.contexts) + 64
     rows, reference = [], {}
     logs = Path(tempfile.mkdtemp(prefix="kapc-serve-load-"))
     for name, hook in (("vllm", False), ("kapc", True)):
         port = free_port()
-        cmd = server_command(port=port, hook=hook, max_model_len=max(max_len, 4608),
+        cmd = server_command(args.model, port=port, hook=hook, max_model_len=max(max_len, 4608),
                              extra=["--max-num-seqs", str(args.max_num_seqs)])
         t0 = time.perf_counter()
         with running(cmd.argv, cmd.url, logs / f"{name}.log"):

@@ -44,7 +44,7 @@ def test_options_pass_through_and_the_baseline_has_no_hook():
 @pytest.mark.parametrize("kwargs, says", [
     ({"block_size": 16}, "multiple of 32"),
     ({"k": 0}, "at least 1"),
-    ({"model": "/nonexistent/model"}, "not a model folder"),
+    ({"model": "/nonexistent/model"}, "not a registered model nor a directory"),
 ])
 def test_what_the_engine_cannot_run_is_refused_before_it_starts(kwargs, says):
     with pytest.raises(ServeError, match=says):

@@ -40,19 +40,28 @@ def test_compact_view_refuses_sliding_window(tmp_path):
 
 def test_calibration_that_cannot_fit_its_kv_cache_says_what_would(monkeypatch):
     """vLLM-CPU refuses to start when its KV cache does not fit the free memory of NUMA node 0,
-    after minutes of setup; `kapc calibrate` checks first and names the batches that fit. The
-    real node has room on this machine, so its free memory is SIMULATED (2.5 GiB); what vLLM
-    reports is also read for real."""
+    and the kernel kills a process that outgrows the machine, after minutes of setup; `kapc
+    calibrate` checks first and names the batches that fit. The real node has room on this
+    machine, so its free memory is SIMULATED (7 GiB: 4 for the cache beside the weights and
+    the engine); what vLLM reports is also read for real."""
     from kapc.errors import KapcError
+    from kapc.memory import GIB
     from kapc.runtime.vllm import compat
     from kapc.runtime.vllm.calibrate import VllmBench
 
     room = compat.cpu_kv_room_gib()
     assert room is not None and room > 0  # vLLM-CPU reads node 0's meminfo here
-    monkeypatch.setattr(compat, "cpu_kv_room_gib", lambda node=0: 2.5)
-    with pytest.raises(KapcError, match=r"NUMA node 0, which has 2.5 GiB free.*--batches up to 4"):
+    weights = 0.75  # SmolLM2 in float32 with its bfloat16 draft copies, about
+    monkeypatch.setattr(compat, "cpu_kv_room_gib", lambda node=0: 7.0 + weights)
+    # 16 rows of 8,960 tokens at 45 KiB a token: 7.1 GiB with slack, more than the 4 left
+    with pytest.raises(KapcError, match=r"batch 16 at 7936 tokens needs a 7\.\d GiB KV cache.*"
+                                        r"--batches up to 8\)"):
         VllmBench(max_batch=16, max_context=7936)
-    assert VllmBench(max_batch=1, max_context=2048).kv_cache_gib == 2
+    assert VllmBench(max_batch=1, max_context=2048).kv_cache_gib == 1
+    monkeypatch.setattr(compat, "cpu_kv_room_gib", lambda node=0: 3.0)
+    with pytest.raises(KapcError, match="cannot start on smollm2-135m-instruct"):
+        VllmBench(max_batch=1, max_context=2048)
+    assert GIB == 1 << 30
 
 
 def test_draft_weight_copies_are_the_weights_rounded_to_bfloat16():

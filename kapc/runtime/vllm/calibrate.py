@@ -52,14 +52,21 @@ class VllmBench:
         # every row's prompt KV stays cached (one prefill per prompt per engine), plus room to decode
         self.max_context, self.max_batch = max_context, max_batch
         if self.engine == "vllm-cpu":
-            try:
-                self.kv_cache_gib = size_cpu_engine(
-                    self.model_dir, self.dtype, max_context + 1024, max_batch,
-                    requested_gib=kv_cache_gib, draft_copies=True,
-                    what="kapc calibrate").kv_cache_gib
-            except KapcError as exc:
-                raise KapcError(f"{exc}; time smaller batches (--batches) or shorter contexts "
-                                f"(--contexts)") from None
+            # every row stays cached, so the whole batch must fit, not just one sequence
+            plan = size_cpu_engine(self.model_dir, self.dtype, max_context + 1024, max_batch,
+                                   requested_gib=kv_cache_gib, draft_copies=True,
+                                   what="kapc calibrate")
+            if kv_cache_gib is None and plan.kv_cache_gib < plan.wanted_gib:
+                per_row = plan.wanted_gib / max_batch
+                fits = [b for b in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+                        if b * per_row <= plan.room_gib]
+                raise KapcError(
+                    f"kapc calibrate: batch {max_batch} at {max_context} tokens needs a "
+                    f"{plan.wanted_gib:.1f} GiB KV cache and {plan.room_gib:.1f} GiB is left "
+                    f"for it beside {plan.weights_gib:.1f} GiB of weights; time smaller batches"
+                    + (f" (--batches up to {max(fits)})" if fits else "")
+                    + " or shorter contexts (--contexts)")
+            self.kv_cache_gib = plan.kv_cache_gib
         else:
             self.kv_cache_gib = kv_cache_gib
         self.note = "rows decode distinct prompts; plans are synthetic selections of s of a prompt"
