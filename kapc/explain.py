@@ -46,6 +46,14 @@ def prompt_view(module: Module) -> list[str]:
         lines.append(f"# select: {module.select.kept} of {module.prompt.tokens} tokens kept "
                      f"({module.select.mandatory} mandatory), budget {module.select.budget}; "
                      f"kept ranges " + " ".join(f"{r.start}..{r.end}" for r in kept))
+        sep = module.select.separation
+        if sep is not None:
+            floor = module.fallback.min_separation if module.fallback is not None else None
+            lines.append(f"# select: the priors set the kept passages {sep:.3f} above the dropped "
+                         f"(mean prior)" + ("" if floor is None else
+                                            f"; under {floor:.3f} the runtime decodes with the "
+                                            f"full context (prior confidence)"
+                                            + (": this plan will" if sep < floor else "")))
     if module.pages is not None:
         p = module.pages
         width = sum(len(r) for r in p.selected)
@@ -69,6 +77,13 @@ def unmeasured_gain(cost) -> str | None:
             "each step from them")
 
 
+def length_gist(pays_from: int) -> str:
+    """`Cost.pays_from` in words."""
+    if pays_from == 0:
+        return "pays at no prompt length up to the model's positions"
+    return f"pays from prompts of {pays_from:,} tokens"
+
+
 def cost_view(module: Module) -> list[str]:
     """What the cost model predicts, and what would change its mind."""
     c = module.cost
@@ -89,6 +104,9 @@ def cost_view(module: Module) -> list[str]:
                      f" and k = {c.k}; {why}")
     elif c.by_k:
         lines.append(f"# cost: no acceptance makes this plan pay at k = {c.k}")
+    if c.pays_from is not None:
+        lines.append(f"# cost: {length_gist(c.pays_from)} at s = {s:.3f}, k = {c.k}, batch = "
+                     f"{c.batch} (the paper's KV_crit; this prompt: {module.prompt.tokens:,})")
     if c.by_k:
         lines.append("# cost: predicted speedup by k: " + "  ".join(
             f"{k}:{v:.2f}" + ("*" if k == c.k else "") for k, v in enumerate(c.by_k, 1)))

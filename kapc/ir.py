@@ -122,6 +122,9 @@ class Select(Node, kw_only=True):
     kept: int  # tokens kept, never above budget
     mandatory: int  # of which kept regardless of evidence (sink, instruction, question, window...)
     dropped: tuple[Ref, ...] = ()  # passages left out, best prior first
+    # how far the frontend's priors set the kept passages apart from the dropped ones: the mean
+    # prior of the kept minus that of the dropped (None: no passage dropped, nothing to separate)
+    separation: float | None = None
 
 
 class Keep(Node, kw_only=True):
@@ -176,6 +179,7 @@ class Fallback(Node, kw_only=True):
     min_acceptance: float
     acceptance_window: int
     on_predicted_loss: bool
+    min_separation: float = 0.0  # prior confidence: below this `Select.separation`, full context
 
 
 class Cost(Node, kw_only=True):
@@ -192,6 +196,10 @@ class Cost(Node, kw_only=True):
     basis: str = "memory-bound"  # or the calibration profile's key
     break_even: float | None = None  # the acceptance rate h at which the plan neither gains nor loses
     by_k: tuple[float, ...] = ()  # predicted speedup at k = 1, 2, ...
+    # the paper's KV_crit as a length: the shortest prompt (tokens) from which a plan of this s,
+    # acceptance, k and batch pays; 0 where it pays at no length up to the model's positions,
+    # None where it was not computed
+    pays_from: int | None = None
 
 
 class Module(Node, kw_only=True):

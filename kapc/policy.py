@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import msgspec
 import numpy as np
@@ -138,6 +138,58 @@ def page_choice(profile, rows: int, tokens: float) -> float:
     return profile.seconds_of("select", {"1": 1.0, "B": float(rows), "BV": float(tokens)})
 
 
+def plan_speedup(*, s: float, p: float, k: int, batch: int, context: float, profile=None,
+                 weight_bytes: float = 0.0, kv_bytes: float = 0.0, chooses_pages: bool = False,
+                 tolerant: bool = False) -> float:
+    """One plan's predicted speedup at proposal length k: from the profile's measured step times
+    where there is one (`profiled_speedup`), else the paper's memory-bound model."""
+    if profile is not None:
+        return profiled_speedup(profile, batch, int(context), s, k, p, chooses_pages, tolerant)
+    return predicted_speedup(weight_bytes, kv_bytes, batch, s, acceptance_rate(p, k), k)
+
+
+def critical_context(speedup_at: Callable[[int], float], longest: int,
+                     shortest: int = 256) -> int | None:
+    """The paper's KV_crit, as a context length: the shortest context in [shortest, longest]
+    from which `speedup_at(context)` exceeds 1 all the way up to `longest` (checked on a
+    geometric grid of 48 lengths, then narrowed to about 1% by bisection), or None where a plan
+    does not pay even at `longest`. On the memory-bound model a plan with h > s pays from
+    W/B (1 - h) / (h - s) bytes of KV; measured step times bend that, which is why this is a
+    search, not the formula."""
+    longest, shortest = int(longest), max(1, min(int(shortest), int(longest)))
+    if speedup_at(longest) <= 1.0:
+        return None
+    grid = sorted({int(round(x)) for x in np.geomspace(shortest, longest, 48)})
+    below = next((c for c in reversed(grid) if speedup_at(c) <= 1.0), None)
+    if below is None:
+        return shortest
+    lo, hi = below, grid[grid.index(below) + 1]
+    while hi - lo > max(1, lo // 100):
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if speedup_at(mid) <= 1.0 else (lo, mid)
+    return hi
+
+
+def profile_pays_from(profile, batch: int, s: float, *, rule: str = "greedy",
+                      default_p: float = 0.8, longest: int = 131072) -> int | None:
+    """The context from which plans retaining s pay at `batch` rows on the profiled engine (the
+    paper's KV_crit, `critical_context`), each length at the best k the profile timed and the
+    acceptance the profile's model for `rule` expects there (`default_p`, the compiler's, where it
+    has none). None: not even at `longest`."""
+    fit = profile.acceptance_fit(rule)
+    widest = MAX_AUTO_K
+    if profile.longest_verify > 1:
+        widest = min(MAX_AUTO_K, profile.longest_verify - 1)
+    tolerant = parse_accept(rule) > 1
+
+    def speedup_at(context: int) -> float:
+        p = fit.p(s, context) if fit is not None else default_p
+        return max(profiled_speedup(profile, batch, context, s, k, p, tolerant=tolerant)
+                   for k in range(1, widest + 1))
+
+    return critical_context(speedup_at, longest)
+
+
 @dataclass(frozen=True)
 class Prediction:
     """What the cost model says about a plan at proposal length k."""
@@ -162,9 +214,9 @@ def predict(*, s: float, p: float, k: int | None, batch: int, context: int, prof
     memory-bound model."""
 
     def speedup(kk: int, pp: float) -> float:
-        if profile is not None:
-            return profiled_speedup(profile, batch, context, s, kk, pp, chooses_pages, tolerant)
-        return predicted_speedup(weight_bytes, kv_bytes, batch, s, acceptance_rate(pp, kk), kk)
+        return plan_speedup(s=s, p=pp, k=kk, batch=batch, context=context, profile=profile,
+                            weight_bytes=weight_bytes, kv_bytes=kv_bytes,
+                            chooses_pages=chooses_pages, tolerant=tolerant)
 
     by_k = tuple(round(speedup(kk, p), 4) for kk in range(1, MAX_AUTO_K + 1))
     if k is None:
@@ -444,6 +496,12 @@ class StepClock:
 
 # ---- admission ------------------------------------------------------------------------------
 
+def padded_view(blocks: int) -> int:
+    """A draft view's width in blocks, padded to a power of two as the compiler pads the plan's
+    (`View.padded_blocks`): the few shapes a captured draft path is built for."""
+    return 1 << max(0, int(blocks) - 1).bit_length()
+
+
 @dataclass(frozen=True)
 class Admission:
     """What a runtime does with one request's plan: run it with proposal length `k`, or decode
@@ -461,11 +519,18 @@ class Admission:
 
 def admit(header, *, retained: float, k: int | None = None, engine_k: int | None = None,
           accept: str | None = None, honor_predicted_loss: bool = True,
-          random_sampling: bool = False) -> Admission:
+          random_sampling: bool = False, view_blocks: int | None = None,
+          workspace_blocks: int | None = None) -> Admission:
     """Decide whether a (matching) plan runs. `header` is the plan's `PlanHeader`; `retained` is
     the ratio the engine will actually read (it differs from the plan's when the engine's block
-    size differs); `k`/`accept` override the plan's; `engine_k` caps k (vLLM fixes it at start).
-    Raises PolicyError for an unknown acceptance rule."""
+    size differs); `k`/`accept` override the plan's; `engine_k` caps k (vLLM fixes it at start);
+    `view_blocks` is how many of the engine's blocks the draft view reads, `workspace_blocks` the
+    most the engine's draft path holds for one request (None: no limit).
+    Raises PolicyError for an unknown acceptance rule.
+
+    The paper's fallback conditions, in the order they are checked: sampling, workspace capacity,
+    retained ratio, prior confidence, predicted loss (and, while decoding, observed acceptance:
+    `AcceptanceMonitor`)."""
     rule = accept or header.accept
     topn = parse_accept(rule)
     kk = int(k if k is not None else header.k)
@@ -480,9 +545,19 @@ def admit(header, *, retained: float, k: int | None = None, engine_k: int | None
         return fallback("sampling with temperature > 0: plans propose for greedy requests only")
     if kk < 1:
         return fallback(f"proposal length k={kk}")
+    if view_blocks is not None and workspace_blocks is not None \
+            and padded_view(view_blocks) > workspace_blocks:
+        return fallback(f"workspace: the draft view of {view_blocks} blocks pads to "
+                        f"{padded_view(view_blocks)}, more than the {workspace_blocks} blocks "
+                        f"the engine's draft path holds for a request")
     if retained > fb.max_retained:
         return fallback(f"retained ratio {retained:.3f} exceeds the plan's max_retained "
                         f"{fb.max_retained:.3f}")
+    sep = getattr(header, "prior_separation", None)
+    if sep is not None and sep < fb.min_separation:
+        return fallback(f"prior confidence: the priors set the kept passages {sep:.3f} above the "
+                        f"dropped ones (mean prior), under the plan's min_separation "
+                        f"{fb.min_separation:.3f}, so its pages are a guess")
     if not cost.pays and fb.on_predicted_loss and honor_predicted_loss:
         return fallback(f"the cost model predicts no gain (speedup {cost.speedup:.2f}x at "
                         f"s={cost.s:.3f}, h={cost.h:.2f}, batch {cost.batch})")

@@ -51,6 +51,7 @@ class FallbackPolicy(msgspec.Struct, frozen=True, kw_only=True):
     min_acceptance: float = 0.3  # fall back when observed acceptance stays below this ...
     acceptance_window: int = 32  # ... over this many proposed tokens
     on_predicted_loss: bool = True  # fall back when the cost model predicts no gain
+    min_separation: float = 0.0  # fall back when the priors separate the kept passages less
 
 
 class CostPrediction(msgspec.Struct, frozen=True, kw_only=True):
@@ -96,6 +97,8 @@ class PlanHeader(msgspec.Struct, frozen=True, kw_only=True):
     cost: CostPrediction
     arrays: tuple[ArrayRef, ...] = ()
     access: AccessPolicy = AccessPolicy()
+    # the priors' separation of kept from dropped passages (select's; None: nothing dropped)
+    prior_separation: float | None = None
 
 
 class Plan(msgspec.Struct, frozen=True, kw_only=True):

@@ -58,11 +58,13 @@ def lower_module(module: Module, ctx: CompileContext) -> bytes:
         k=module.verify.k, accept=module.verify.accept,
         fallback=FallbackPolicy(max_retained=f.max_retained, min_acceptance=f.min_acceptance,
                                 acceptance_window=f.acceptance_window,
-                                on_predicted_loss=f.on_predicted_loss),
+                                on_predicted_loss=f.on_predicted_loss,
+                                min_separation=f.min_separation),
         cost=CostPrediction(weight_bytes=c.weight_bytes, kv_bytes=c.kv_bytes, batch=c.batch, s=c.s,
                             h=c.h, k=c.k, speedup=c.speedup, pays=c.pays, basis=c.basis,
                             break_even=c.break_even, p=c.p),
-        access=access_policy(module.access))
+        access=access_policy(module.access), prior_separation=(
+            module.select.separation if module.select is not None else None))
     data = encode_plan(header, tokens.ids, blocks, positions)
     try:
         decode_plan(data, f"plan {name!r}")  # the reader's consistency checks, at the writer

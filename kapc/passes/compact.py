@@ -7,8 +7,10 @@ sequence. Generated tokens continue the tail: the token at logical position p >=
 sits at compact index `tail_slot + (p - tail_block * block_size)`. The table width is padded to
 a power of two so that runtimes see few distinct shapes.
 
-Also writes the verification policy (`k`, `accept` greedy or top{N}), the fallback conditions,
-and the cost model's prediction for this prompt (`kapc.policy.predict`). With a calibration
+Also writes the verification policy (`k`, `accept` greedy or top{N}), the fallback conditions
+(retained ratio, acceptance, predicted loss, prior confidence: `min-separation`), the cost model's
+prediction for this prompt (`kapc.policy.predict`) and the prompt length from which a plan like
+this one pays (`pays_from`, the paper's KV_crit). With a calibration
 profile of the target engine (`profile=auto` finds the one `kapc calibrate` wrote for
 `kapc compile --engine ...`; `profile=PATH` names one) the prediction uses measured step times and
 the profile's acceptance model for this s (for a dynamic or hybrid access policy, its model of
@@ -30,7 +32,8 @@ from kapc import ir
 from kapc.errors import excerpt
 from kapc.limits import MAX_BATCH, MAX_K
 from kapc.passes.base import CompileContext, Pass, PassError
-from kapc.policy import MAX_TOPN, AccessPolicy, PolicyError, access_problem, parse_accept, predict
+from kapc.policy import (MAX_TOPN, AccessPolicy, PolicyError, access_problem, critical_context,
+                         padded_view, parse_accept, plan_speedup, predict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +49,10 @@ class Compact(Pass):
     min_acceptance: float = 0.3
     acceptance_window: int = 32
     on_predicted_loss: bool = True
+    # prior confidence: a plan whose priors set its passages apart from the dropped ones by less
+    # than this (`select`'s separation, mean prior kept minus dropped) decodes with the full
+    # context. HotpotQA's graph priors separate by 0.2-0.3; flat priors by 0
+    min_separation: float = 0.05
     profile: str = "auto"  # auto, none, or the path of a profile file
     # static, dynamic or hybrid (kapc.policy.AccessPolicy). Hybrid by default: at the plan's
     # own s it accepted 0.91 against static's 0.69 at 8K x 8, and as much or more at 2K and 4K
@@ -64,7 +71,7 @@ class Compact(Pass):
             parse_accept(self.accept)
         except PolicyError:
             return f"accept must be greedy or top2..top{MAX_TOPN}, not {excerpt(self.accept)}"
-        for name in ("expect_acceptance", "max_retained", "min_acceptance"):
+        for name in ("expect_acceptance", "max_retained", "min_acceptance", "min_separation"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 return f"{name.replace('_', '-')} must be within [0, 1], not {getattr(self, name)}"
         if not 1 <= self.batch <= MAX_BATCH:
@@ -85,7 +92,7 @@ class Compact(Pass):
         pages, target, n = module.pages, module.target, module.prompt.tokens
         width = sum(len(r) for r in pages.selected)
         tail_block = pages.blocks - 1
-        view = ir.View(blocks=width, padded_blocks=1 << (width - 1).bit_length(),
+        view = ir.View(blocks=width, padded_blocks=padded_view(width),
                        tail_block=tail_block, tail_slot=(width - 1) * pages.block_size)
 
         weights = target.parameters * self.dtype_bytes
@@ -95,7 +102,7 @@ class Compact(Pass):
         budget = s if self.access_budget == "plan" else float(self.access_budget)
         drafted = s if self.access == "static" else budget
         profile = self._profile(ctx, target.fingerprint)
-        p = self.expect_acceptance
+        p, fit = self.expect_acceptance, None
         if profile is not None:
             # a profile without a query-aware model: the plan's pages' model at the same s, which
             # measured lower (docs/access.md), so the prediction errs towards full context
@@ -112,17 +119,33 @@ class Compact(Pass):
         floor = self.min_acceptance
         if profile is not None:
             floor = max(floor, pred.break_even if pred.break_even is not None else 1.0)
+        pays_from = self._pays_from(ctx, profile, fit, pred, drafted, p, kv / n, weights)
         cost = ir.Cost(dtype_bytes=self.dtype_bytes, batch=self.batch, weight_bytes=weights,
                        kv_bytes=kv, s=s, h=round(pred.h, 6), k=pred.k, speedup=speedup,
                        pays=speedup > 1.0, p=round(p, 6), basis=pred.basis,
-                       break_even=pred.break_even, by_k=pred.by_k)
+                       break_even=pred.break_even, by_k=pred.by_k, pays_from=pays_from)
         return msgspec.structs.replace(
             module, view=view, verify=ir.Verify(k=pred.k, accept=self.accept),
             access=self._access(target.fingerprint, budget),
             fallback=ir.Fallback(max_retained=self.max_retained, min_acceptance=round(floor, 6),
                                  acceptance_window=self.acceptance_window,
-                                 on_predicted_loss=self.on_predicted_loss),
+                                 on_predicted_loss=self.on_predicted_loss,
+                                 min_separation=self.min_separation),
             cost=cost)
+
+    def _pays_from(self, ctx: CompileContext, profile, fit, pred, s: float, p: float,
+                   kv_per_token: float, weights: float) -> int:
+        """The shortest prompt from which this plan's s, k and batch pay (the paper's KV_crit),
+        with the profile's acceptance at each length where it has a model; 0: at no length up to
+        the model's positions."""
+        def speedup_at(context: int) -> float:
+            return plan_speedup(s=s, p=fit.p(s, context) if fit is not None else p, k=pred.k,
+                                batch=self.batch, context=context, profile=profile,
+                                weight_bytes=weights, kv_bytes=kv_per_token * context,
+                                chooses_pages=self.access != "static",
+                                tolerant=parse_accept(self.accept) > 1)
+
+        return critical_context(speedup_at, ctx.assets.context_tokens()) or 0
 
     def _access(self, fingerprint: str, budget: float) -> ir.Access:
         if self.access == "static":

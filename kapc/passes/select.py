@@ -34,6 +34,19 @@ from kapc.limits import MAX_PROMPT_TOKENS
 from kapc.passes.base import CompileContext, Pass, PassError
 
 
+def separation(evidence, dropped) -> float | None:
+    """How far the priors set the kept passages apart from the dropped: the mean prior of the
+    kept minus the mean prior of the dropped, in the priors' own [0, 1] units (None where no
+    passage was dropped). Flat priors, a frontend that found nothing to tell passages apart,
+    give about 0: their pages are a guess, which the plan's prior-confidence rule refuses."""
+    gone = set(dropped)
+    kept = [e.prior for e in evidence if e.id not in gone]
+    left = [e.prior for e in evidence if e.id in gone]
+    if not left:
+        return None
+    return round((float(np.mean(kept)) if kept else 0.0) - float(np.mean(left)), 6)
+
+
 @dataclasses.dataclass(frozen=True)
 class Select(Pass):
     name = "select"
@@ -124,5 +137,6 @@ class Select(Pass):
             else:
                 dropped.append(ev.id)
         keeps.sort(key=lambda k: (k.tokens.start, k.tokens.end))
-        select = ir.Select(budget=budget, kept=used, mandatory=mandatory, dropped=tuple(dropped))
+        select = ir.Select(budget=budget, kept=used, mandatory=mandatory, dropped=tuple(dropped),
+                           separation=separation(module.evidence, dropped))
         return msgspec.structs.replace(module, select=select, keep=tuple(keeps))

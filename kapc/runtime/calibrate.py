@@ -483,7 +483,37 @@ def show(profile: Profile) -> str:
         lines.append(f"  acceptance {rule}: logit p = {a.a:.3f} + {a.b:.3f} log s + {a.c:.3f} "
                      f"log(L/4096); p(s=0.1, L=4096) = {a.p(0.1, 4096):.2f}, p(0.1, 8192) = "
                      f"{a.p(0.1, 8192):.2f}; measured {pts}")
+    lines += pays_from_table(profile)
     return "\n".join(lines)
+
+
+PAYS_FROM_S = (0.05, 0.1, 0.2)  # retained ratios the table states (the paper's s at 8K-128K)
+
+
+def pays_from_table(profile: Profile) -> list[str]:
+    """Per batch size the profile measured, the context from which a plan pays (the paper's
+    KV_crit) at a few retained ratios, greedy, at the acceptance the profile expects. Lengths past
+    the longest context the profile measured are extrapolated by its step models, and say so."""
+    from kapc.policy import profile_pays_from
+
+    if not {"draft", "verify"} <= set(profile.fits) or not (
+            {"plain", "resting"} & set(profile.fits)):
+        return []
+    batches = sorted({x.batch for x in profile.samples if x.kind == "verify"})
+    measured = max((x.visible for x in profile.samples), default=0)
+    fit = profile.acceptance_fit("greedy")
+    where = ("the profile's greedy acceptance model at each length" if fit is not None else
+             "p = 0.8 (the compiler's default: the profile measured no acceptance)")
+    lines = [f"  a plan pays from (the paper's KV_crit, tokens of context; greedy, the best k, "
+             f"{where}; * past the longest context measured, {measured:,}):",
+             "  " + f"{'s':>6}" + "".join(f"{'B=' + str(b):>10}" for b in batches)]
+    for s in PAYS_FROM_S:
+        cells = []
+        for b in batches:
+            at = profile_pays_from(profile, b, s)
+            cells.append("never" if at is None else f"{at:,}" + ("*" if at > measured else ""))
+        lines.append("  " + f"{s:>6.2f}" + "".join(f"{c:>10}" for c in cells))
+    return lines
 
 
 def plot(profile: Profile, path: str | Path) -> Path:

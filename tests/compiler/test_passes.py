@@ -190,3 +190,48 @@ def test_checker_catches_a_broken_invariant(ctx):
     over = msgspec.structs.replace(m, select=msgspec.structs.replace(m.select, budget=m.select.kept - 1))
     with pytest.raises(CheckError, match="over the budget"):
         check_module(over)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_a_plan_pays_exactly_from_the_length_it_states(batch, ctx):
+    """`pays_from` (the paper's KV_crit) agrees with the plan's own verdict: a prompt at least
+    that long pays, a shorter one does not; and a batch shares W, so it pays from shorter."""
+    for path in CASES:
+        c = compiled(path, ctx, f"ground,align-spans,select,resolve-pages,"
+                                f"compact{{batch={batch},access=static}}").cost
+        n = compiled(path, ctx, "ground,align-spans").prompt.tokens
+        assert c.pays_from is not None
+        if c.pays_from == 0:
+            assert not c.pays
+        elif abs(n - c.pays_from) > c.pays_from // 50:  # the search is exact to about 1%
+            assert c.pays == (n >= c.pays_from), (path.name, n, c.pays_from)
+    one = compiled(CASES[0], ctx, "ground,align-spans,select,resolve-pages,compact{access=static}")
+    eight = compiled(CASES[0], ctx,
+                     "ground,align-spans,select,resolve-pages,compact{batch=8,access=static}")
+    assert 0 < eight.cost.pays_from and (one.cost.pays_from == 0
+                                         or eight.cost.pays_from < one.cost.pays_from)
+
+
+def test_flat_priors_make_a_plan_that_falls_back_for_prior_confidence(ctx):
+    """Priors that score every passage alike separate nothing: the plan records it, and a runtime
+    decodes with the full context, saying why; the frontend's own priors do separate."""
+    from kapc.compiler import compile_to_kapb
+    from kapc.lower.kapb import decode_plan
+    from kapc.policy import admit
+
+    prior = load_prior(CASES[0])
+    # every passage scored alike, and no entity graph lending some of them more
+    units = [msgspec.structs.replace(u, scores={k: 0.5 for k in u.scores}, anchors=[])
+             for u in prior.units if u.kind == "passage"]
+    flat = msgspec.structs.replace(prior, units=units)
+    module = run_pipeline(module_from_prior(flat), parse_pipeline(
+        "ground,align-spans,select,resolve-pages,compact"), ctx).module
+    assert module.select.dropped and module.select.separation == 0.0
+    plan = decode_plan(compile_to_kapb(flat, "ground,align-spans,select,resolve-pages,compact",
+                                       ctx, verify=False))
+    assert plan.header.prior_separation == 0.0
+    verdict = admit(plan.header, retained=plan.header.retained_ratio,
+                    honor_predicted_loss=False)
+    assert not verdict.runs and verdict.reason.startswith("prior confidence:")
+    real = compiled(CASES[0], ctx)
+    assert real.select.separation > real.fallback.min_separation

@@ -11,7 +11,8 @@ import pytest
 
 from kapc.lower.kapb import CostPrediction, FallbackPolicy, PlanHeader
 from kapc.policy import (AcceptanceMonitor, DraftRow, PolicyError, StepClock, accepted_prefix,
-                         acceptance_rate, admit, engine_blocks, engine_step, estimated_p, parse_accept, plan_step, predict,
+                         acceptance_rate, admit, critical_context, padded_view, plan_speedup,
+                         profile_pays_from, engine_blocks, engine_step, estimated_p, parse_accept, plan_step, predict,
                          predicted_speedup, run_forecast, step_cost, step_forecast, step_tokens, tokens_per_cycle, unplanned_step,
                          visible_tokens)
 from kapc.profile import (AcceptanceFit, Profile, StepFit, StepSample, fit_acceptance, fit_steps,
@@ -88,6 +89,73 @@ def test_engine_blocks_map_any_block_size():
     # nonsense positions past the prompt are dropped; the tail is always there
     assert engine_blocks(np.array([5, 5, 500]), P, 16).tolist() == [0, 6]
 
+
+
+def test_the_paper_fallback_conditions_at_admission():
+    """Workspace capacity and prior confidence refuse a plan with their reason; a plan inside
+    both runs."""
+    h = _header()
+    # workspace: a view of 5 blocks pads to 8; an engine that holds 6 per request cannot take it
+    assert padded_view(5) == 8 and padded_view(8) == 8 and padded_view(1) == 1
+    reason = admit(h, retained=0.2, view_blocks=5, workspace_blocks=6).reason
+    assert reason.startswith("workspace:") and "pads to 8" in reason and "6 blocks" in reason
+    assert admit(h, retained=0.2, view_blocks=5, workspace_blocks=8).runs
+    assert admit(h, retained=0.2, view_blocks=500).runs  # no workspace named: no limit
+    # prior confidence: priors that hardly set the kept passages apart
+    flat = _header(prior_separation=0.01, fallback=FallbackPolicy(min_separation=0.05))
+    reason = admit(flat, retained=0.2).reason
+    assert reason.startswith("prior confidence:") and "0.010" in reason and "0.050" in reason
+    # forcing a plan past the cost model does not force it past a guess
+    assert not admit(flat, retained=0.2, honor_predicted_loss=False).runs
+    assert admit(_header(prior_separation=0.3, fallback=FallbackPolicy(min_separation=0.05)),
+                 retained=0.2).runs
+    # nothing dropped (None), or a plan made before the rule (no floor): no refusal
+    assert admit(_header(prior_separation=None), retained=0.2).runs
+
+
+def test_pays_from_is_the_papers_kv_crit():
+    """On the memory-bound model a plan with h > s pays from W/B (1 - h) / (h - s) bytes of KV;
+    the search finds that length within 1%, shares W across the batch, and says None where h <= s
+    never pays."""
+    w, per_token, s, k, p = 1e9, 1e4, 0.1, 4, 0.8
+    h = acceptance_rate(p, k)
+
+    def at(batch, ss=s, pp=p):
+        return critical_context(lambda n: plan_speedup(
+            s=ss, p=pp, k=k, batch=batch, context=n, weight_bytes=w, kv_bytes=per_token * n),
+            10 ** 7)
+
+    for batch in (1, 8):
+        expect = w / batch * (1 - h) / (h - s) / per_token
+        assert expect <= at(batch) <= expect * 1.011
+    assert at(8) < at(1)
+    assert at(1, ss=0.7, pp=0.5) is None  # h = 0.47 < s: it never pays
+    assert critical_context(lambda n: 2.0, 4096) == 256  # pays from the shortest length asked
+    assert critical_context(lambda n: n / 5000, 4096) is None
+    assert 5000 <= critical_context(lambda n: n / 5000, 32768) <= 5050
+
+
+def test_profile_states_where_plans_pay_per_batch():
+    """With measured step times that grow with the context, a plan pays from a length that falls
+    as the batch grows, and never where drafts cost as much as plain steps."""
+    grow = StepFit(features=("1", "B", "BV"), coef=(0.010, 0.002, 2e-7), rel_error=0, samples=3)
+    prof = msgspec.structs.replace(known_profile(), fits={
+        **known_profile().fits, "plain": grow,
+        "draft": StepFit(features=("1", "B", "BV"), coef=(0.008, 0.002, 2e-8), rel_error=0,
+                         samples=3),
+        "verify": StepFit(features=("1", "B", "Bq", "BV", "BqV"),
+                          coef=(0.012, 0.002, 0.001, 2e-7, 0), rel_error=0, samples=5)})
+    one, eight = profile_pays_from(prof, 1, 0.1), profile_pays_from(prof, 8, 0.1)
+    assert one is not None and eight is not None and 256 < eight < one
+    best = max(plan_speedup(s=0.1, p=0.8, k=kk, batch=1, context=one, profile=prof)
+               for kk in range(1, 9))
+    worse = max(plan_speedup(s=0.1, p=0.8, k=kk, batch=1, context=int(one * 0.97), profile=prof)
+                for kk in range(1, 9))
+    assert best > 1.0 >= worse
+    # a draft over s = 0.1 of the context that costs what a plain step over all of it does
+    as_plain = StepFit(features=("1", "B", "BV"), coef=(0.010, 0.002, 2e-6), rel_error=0, samples=3)
+    costly = msgspec.structs.replace(prof, fits={**prof.fits, "draft": as_plain})
+    assert profile_pays_from(costly, 1, 0.1) is None
 
 def known_profile(fingerprint: str = "sha256:" + "0" * 64) -> Profile:
     """plain 10 ms, draft 3 ms, no proposer overhead, verify 12 ms + 1 ms per query token."""

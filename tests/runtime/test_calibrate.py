@@ -73,6 +73,12 @@ def test_tiny_calibration_gives_a_well_formed_profile(tmp_path):
     assert not (profiles_dir() / f"{profile.key}.partial.jsonl").exists()  # done: no partial
     text = show(profile)
     assert "plain" in text and "acceptance greedy" in text
+    # where plans start to pay, per batch measured, at each stated s
+    assert "KV_crit" in text
+    table = text[text.index("KV_crit"):].splitlines()[1:]
+    assert table[0].split() == ["s"] + [f"B={b}" for b in sorted(
+        {x.batch for x in profile.samples if x.kind == "verify"})]
+    assert [row.split()[0] for row in table[1:]] == ["0.05", "0.10", "0.20"]
     assert "draft forwards read: bfloat16 copies" in text
     png = plot(profile, tmp_path / "p.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -194,6 +194,23 @@ def test_plan_as_base64_extra_arg(engine, cases, baseline):
     assert list(out.outputs[0].token_ids) == baseline[2][:12]
 
 
+def test_a_view_wider_than_the_draft_workspace_falls_back(engine, cases, baseline):
+    """The paper's workspace condition: a request whose draft path holds fewer blocks than the
+    plan's view, padded, needs decodes with the full context, says why, and loses nothing."""
+    from vllm import SamplingParams
+
+    from kapc.runtime.vllm.proposer import OPTS_KEY, PLAN_KEY, TAG_KEY
+
+    c = cases[2]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, extra_args={
+        PLAN_KEY: c.data, TAG_KEY: "narrow",
+        OPTS_KEY: {"honor_predicted_loss": False, "max_view_blocks": 1}})
+    (out,) = engine.llm.generate([{"prompt_token_ids": c.ids}], sp, use_tqdm=False)
+    st = engine.stats(pop=True)["requests"]["narrow"]
+    assert st["status"] == "fallback" and st["reason"].startswith("workspace:")
+    assert st["proposed"] == 0
+    assert list(out.outputs[0].token_ids) == baseline[2][:12]
+
 def test_top3_tolerant_acceptance(engine, cases, baseline):
     """A top3 row and a greedy row in one batch: the top3 row emits only tokens within the full
     context's best three (checked with the model's own forward) and accepts more than greedy on

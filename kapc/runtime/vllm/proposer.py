@@ -492,7 +492,10 @@ class KapProposer:
             verdict = admit(h, retained=st.retained_ratio, k=int(opts.get("k") or h.k),
                             engine_k=self.k, accept=opts.get("accept"),
                             honor_predicted_loss=honor and self._profile is None,
-                            random_sampling=sampling_is_random(req.sampling_params))
+                            random_sampling=sampling_is_random(req.sampling_params),
+                            view_blocks=(st.view.keep + 1 if st.view is not None
+                                         else len(blocks)),
+                            workspace_blocks=self._workspace_blocks(opts))
         except KapcError as exc:
             st.status, st.reason = "refused", f"plan refused: {exc}"
             return
@@ -513,6 +516,14 @@ class KapProposer:
             st.per_pos = [0] * st.k
         else:
             st.status, st.reason = "fallback", verdict.reason
+
+    def _workspace_blocks(self, opts: dict) -> int:
+        """The most blocks a request's draft view may read: the engine's block table per request
+        (`max_model_len` in blocks), or the request's `max_view_blocks` where smaller (an engine
+        whose draft path is captured for a fixed width)."""
+        width = -(-self.max_model_len // self.block_size)
+        cap = opts.get("max_view_blocks")
+        return min(width, int(cap)) if isinstance(cap, int) and cap > 0 else width
 
     def _admit_access(self, st: _ReqState, override, planned, P: int) -> None:
         """A dynamic or hybrid access policy (the request's `access` option, else the plan's):
