@@ -39,6 +39,9 @@ plan's predicted speedup (`pred(plan)`, at compile time) and, when the engine de
 from a calibration profile, that profile's forecast of the steps that ran (`pred(run)`: the
 step policy's choices at the acceptance it estimated, with the prefill's seconds, which a run
 without plans spends alike, at what they took; `kapc.policy.run_forecast`, docs/cost-model.md).
+With `--shared-document`, the questions of a batch read one long document (each row its own
+question, prior and plan; `kapc.frontend.longctx.build_hotpotqa_shared`), so an engine prefills
+one long context per (context, batch) instead of one per row: 16K-32K at batch 8 on a small CPU.
 With `--baseline shared`, `full` runs on the hook's engine with no plans (the requests get no
 proposals) instead of a separate plain engine, which saves one prefill of every prompt on slow
 machines.
@@ -127,12 +130,14 @@ def fit_context(target: int, new_tokens: int, k: int, block_size: int, model=Non
 
 def build_cases(contexts, n, block_size, k, budget_ratio, batches, frontend, first: int = 0,
                 variants=(("greedy", None),), new_tokens: int = 0, auto: bool = False,
-                select: str = "", access_budget: float | str = "plan", model=None):
+                select: str = "", access_budget: float | str = "plan", model=None,
+                shared: bool = False):
     """{context: [(ids, {(batch, rule, access mode): plan bytes}), ...n]} for HotpotQA dev
     questions first..first+n-1, one plan per batch size and (rule, mode) of `variants`; prompts
-    are built to `fit_context` of each context. With `auto`, plans are compiled with k=auto
-    against this machine's vllm-cpu calibration profile."""
-    from kapc.frontend.hybrid import hotpotqa_prior
+    are built to `fit_context` of each context. With `shared`, the questions read one long
+    document (a batch prefills it once); otherwise each its own. With `auto`, plans are compiled
+    with k=auto against this machine's vllm-cpu calibration profile."""
+    from kapc.frontend.hybrid import hotpotqa_prior, hotpotqa_shared_priors
     from kapc.lower.kapb import decode_plan
     from kapc.passes import CompileContext
 
@@ -145,11 +150,19 @@ def build_cases(contexts, n, block_size, k, budget_ratio, batches, frontend, fir
     out = {}
     for c in contexts:
         rows = []
+        target = fit_context(c, new_tokens, k, block_size, model)
+        if shared:
+            t0 = time.perf_counter()
+            priors = hotpotqa_shared_priors(range(first, first + n), target, frontend=frontend,
+                                            model=model)
+            _log(f"  one document for q{first}..q{first + n - 1} at {c}: "
+                 f"{time.perf_counter() - t0:.1f}s")
+        else:
+            priors = None
         for i in range(first, first + n):
             t0 = time.perf_counter()
-            prior = hotpotqa_prior(i, context_tokens=fit_context(c, new_tokens, k, block_size,
-                                                                 model),
-                                   frontend=frontend, model=model)
+            prior = (priors[i - first] if shared else
+                     hotpotqa_prior(i, context_tokens=target, frontend=frontend, model=model))
             plans = {(b, rule, mode): compile_prior(
                 prior, block_size=block_size, budget_ratio=budget_ratio,
                 k="auto" if auto else k, batch=b, ctx=ctx, accept=rule, select=select,
@@ -279,7 +292,11 @@ def run_rows(eng, label, cases, batches, args, with_plans: bool):
             ids = [x[0] for x in cs[:b]]
             t0 = time.perf_counter()
             plans = [x[1][(b, *variant_of(label))] for x in cs[:b]] if with_plans else None
-            # prefill into the prefix cache, and warm the decode (and draft) path up
+            # prefill into the prefix cache, and warm the decode (and draft) path up; the first
+            # prompt alone first, so that prompts sharing a document find it cached instead of
+            # prefilling it side by side
+            generate(eng, ids[:1], plans[:1] if plans else None, max_tokens=2 * args.k,
+                     honor_predicted_loss=False)
             generate(eng, ids, plans, max_tokens=2 * args.k, honor_predicted_loss=False)
             _log(f"[{label}] {c} x{b}: prefill {time.perf_counter() - t0:.1f}s")
             # --auto: the plans decide (predicted loss, acceptance below break-even), as in use
@@ -357,6 +374,10 @@ def main(argv=None):
     ap.add_argument("--model", default=None,
                     help="a model's name (smollm2-135m-instruct, the default; "
                          "qwen2.5-coder-0.5b-instruct) or a Hugging Face folder")
+    ap.add_argument("--shared-document", action="store_true",
+                    help="the questions read one long document (each its own question, prior "
+                    "and plan), so a batch prefills one context instead of one per row: what "
+                    "makes 16K-32K contexts at batch 8 affordable on a small CPU")
     ap.add_argument("--kv-cache-gib", type=int, default=None,
                     help="KV cache size (default: what the largest batch needs, plus a quarter)")
     ap.add_argument("--baseline", choices=("plain", "shared"), default="plain")
@@ -411,7 +432,8 @@ def main(argv=None):
                             variants=list(dict.fromkeys(variant_of(m) for m in methods
                                                         if has_plans(m))),
                             new_tokens=args.max_tokens, auto=args.auto, select=args.select,
-                            access_budget=args.access_budget, model=args.model).result()
+                            access_budget=args.access_budget, model=args.model,
+                            shared=args.shared_document).result()
     # every method runs on one engine; methods sharing an engine share its start and prefills
     engines: dict[str, list[str]] = {}
     for m in methods:

@@ -216,6 +216,16 @@ def hotpotqa_prior(index: int | None = None, context_tokens: int = 4096, *, qid:
                          meta=lc.meta(), max_nodes=max_nodes, graph_config=graph_config)
 
 
+def hotpotqa_shared_priors(indices, context_tokens: int = 16384, *, frontend: str = "graph",
+                           seed: int | None = 0, model: str | None = None) -> list[Prior]:
+    """One prior per HotpotQA dev question of `indices`, all reading one shared long document
+    (`longctx.build_hotpotqa_shared`): a batch of them prefills the document once."""
+    from kapc.frontend.longctx import build_hotpotqa_shared
+    docs = build_hotpotqa_shared(list(indices), context_tokens, seed=seed, model=model)
+    return [score_request(lc.request, f"hotpotqa-shared-{lc.question_id}-{context_tokens}",
+                          frontend, meta=lc.meta()) for lc in docs]
+
+
 def squad_prior(index: int | None = None, context_tokens: int = 4096, *, qid: str | None = None,
                 frontend: str = "graph", seed: int | None = 0, model: str | None = None,
                 max_nodes: int | None = None,

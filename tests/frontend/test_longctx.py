@@ -141,3 +141,23 @@ def test_a_shared_document_is_one_prefix_with_each_questions_gold_at_its_own_dep
         depths.append(min(gold))
         assert r.meta()["shared_document"] == "0,1,2"
     assert depths == sorted(depths) and len(set(depths)) == len(depths)
+
+
+def test_shared_document_priors_score_each_question_over_the_one_document():
+    """What the long-context decode benchmark prefills once per batch: one prior per question,
+    all over the same passages, each scored for its own question."""
+    from kapc.frontend.hybrid import hotpotqa_shared_priors
+
+    priors = hotpotqa_shared_priors((0, 1), 2048, frontend="graph")
+    assert [p.meta["question_index"] for p in priors] == [0, 1]
+    passages = [[s.text for m in p.request.messages for s in m.segments if s.kind == "passage"]
+                for p in priors]
+    assert passages[0] == passages[1] and passages[0]
+    assert priors[0].meta["question"] != priors[1].meta["question"]
+    assert all(p.meta["shared_document"] == "0,1" for p in priors)
+    # each question's own gold passages score among its best
+    for p in priors:
+        gold = set(p.meta["gold_passages"])
+        scores = {u.segment: u.scores["ppr"] for u in p.units if u.kind == "passage"}
+        best = sorted(scores, key=scores.get, reverse=True)[:len(gold) + 3]
+        assert gold & set(best)
