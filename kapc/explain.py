@@ -53,7 +53,7 @@ def prompt_view(module: Module) -> list[str]:
                          f"(mean prior)" + ("" if floor is None else
                                             f"; under {floor:.3f} the runtime decodes with the "
                                             f"full context (prior confidence)"
-                                            + (": this plan will" if sep < floor else "")))
+                                            + (": this plan does" if sep < floor else "")))
     if module.pages is not None:
         p = module.pages
         width = sum(len(r) for r in p.selected)

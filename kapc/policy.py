@@ -148,6 +148,15 @@ def plan_speedup(*, s: float, p: float, k: int, batch: int, context: float, prof
     return predicted_speedup(weight_bytes, kv_bytes, batch, s, acceptance_rate(p, k), k)
 
 
+def widest_auto_k(profile) -> int:
+    """The longest k that k=auto may choose: with a profile, only a k whose verification it
+    timed (a 4K top-3 plan chose k = 8 from a verify model timed up to 8 query tokens, predicted
+    1.11x and measured 0.97x)."""
+    if profile is not None and profile.longest_verify > 1:
+        return min(MAX_AUTO_K, profile.longest_verify - 1)
+    return MAX_AUTO_K
+
+
 def critical_context(speedup_at: Callable[[int], float], longest: int,
                      shortest: int = 256) -> int | None:
     """The paper's KV_crit, as a context length: the shortest context in [shortest, longest]
@@ -177,9 +186,7 @@ def profile_pays_from(profile, batch: int, s: float, *, rule: str = "greedy",
     acceptance the profile's model for `rule` expects there (`default_p`, the compiler's, where it
     has none). None: not even at `longest`."""
     fit = profile.acceptance_fit(rule)
-    widest = MAX_AUTO_K
-    if profile.longest_verify > 1:
-        widest = min(MAX_AUTO_K, profile.longest_verify - 1)
+    widest = widest_auto_k(profile)
     tolerant = parse_accept(rule) > 1
 
     def speedup_at(context: int) -> float:
@@ -220,12 +227,7 @@ def predict(*, s: float, p: float, k: int | None, batch: int, context: int, prof
 
     by_k = tuple(round(speedup(kk, p), 4) for kk in range(1, MAX_AUTO_K + 1))
     if k is None:
-        # with a profile, only the k whose verification it timed: a 4K top-3 plan chose k = 8
-        # from a verify model timed up to 8 query tokens, predicted 1.11x and measured 0.97x
-        widest = MAX_AUTO_K
-        if profile is not None and profile.longest_verify > 1:
-            widest = min(MAX_AUTO_K, profile.longest_verify - 1)
-        k = 1 + max(range(widest), key=lambda i: (by_k[i], -i))
+        k = 1 + max(range(widest_auto_k(profile)), key=lambda i: (by_k[i], -i))
     value = speedup(k, p)
     # break-even: the p (then h) at which the plan neither gains nor loses; speedup grows with p
     if speedup(k, 1.0) < 1.0:
@@ -553,7 +555,7 @@ def admit(header, *, retained: float, k: int | None = None, engine_k: int | None
     if retained > fb.max_retained:
         return fallback(f"retained ratio {retained:.3f} exceeds the plan's max_retained "
                         f"{fb.max_retained:.3f}")
-    sep = getattr(header, "prior_separation", None)
+    sep = header.prior_separation
     if sep is not None and sep < fb.min_separation:
         return fallback(f"prior confidence: the priors set the kept passages {sep:.3f} above the "
                         f"dropped ones (mean prior), under the plan's min_separation "

@@ -210,6 +210,12 @@ def test_a_view_wider_than_the_draft_workspace_falls_back(engine, cases, baselin
     assert st["status"] == "fallback" and st["reason"].startswith("workspace:")
     assert st["proposed"] == 0
     assert list(out.outputs[0].token_ids) == baseline[2][:12]
+    # a workspace that is not a positive number of blocks is refused, saying so
+    sp = SamplingParams(temperature=0.0, max_tokens=4, extra_args={
+        PLAN_KEY: c.data, TAG_KEY: "bad-width", OPTS_KEY: {"max_view_blocks": "wide"}})
+    engine.llm.generate([{"prompt_token_ids": c.ids}], sp, use_tqdm=False)
+    st = engine.stats(pop=True)["requests"]["bad-width"]
+    assert st["status"] == "refused" and "max_view_blocks" in st["reason"] and "wide" in st["reason"]
 
 def test_top3_tolerant_acceptance(engine, cases, baseline):
     """A top3 row and a greedy row in one batch: the top3 row emits only tokens within the full

@@ -521,9 +521,17 @@ class KapProposer:
         """The most blocks a request's draft view may read: the engine's block table per request
         (`max_model_len` in blocks), or the request's `max_view_blocks` where smaller (an engine
         whose draft path is captured for a fixed width)."""
+        from kapc.errors import excerpt
+        from kapc.policy import PolicyError
+
         width = -(-self.max_model_len // self.block_size)
         cap = opts.get("max_view_blocks")
-        return min(width, int(cap)) if isinstance(cap, int) and cap > 0 else width
+        if cap is None:
+            return width
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise PolicyError(f"max_view_blocks must be a positive number of blocks, not "
+                              f"{excerpt(cap)}")
+        return min(width, cap)
 
     def _admit_access(self, st: _ReqState, override, planned, P: int) -> None:
         """A dynamic or hybrid access policy (the request's `access` option, else the plan's):
