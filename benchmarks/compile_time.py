@@ -30,7 +30,6 @@ from kapc.lower.lower import lower_module
 from kapc.passes import DEFAULT_PIPELINE, CompileContext
 from kapc.pipeline import parse_pipeline, run_pipeline
 from kapc.prior import Anchor, Frontend, Message, Prior, Request, Segment, Unit
-from kapc.prompt import Tokenization
 
 
 def real_prior(tokens: int) -> Prior:

@@ -223,9 +223,9 @@ def _row(m, L, B, budget, args, cs, plans, full_res, fst, plan_res, pst, rule) -
 def _cases(m, L: int, n: int, args) -> list:
     """n (prompt ids, (batch, budget) -> Plan) pairs for HotpotQA dev questions
     first..first+n-1."""
+    from benchmarks.vllm_decode import fit_context
     from kapc.lower.kapb import decode_plan
     from kapc.runtime.planning import plan_from_blocks
-    from benchmarks.vllm_decode import fit_context
     from kapc.runtime.prompts import build_long_prompt
 
     bs, k, first = args.block_size, args.k, args.first_question

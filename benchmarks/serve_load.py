@@ -80,7 +80,6 @@ def run_phase(url: str, jobs: list[dict], concurrency: int, max_tokens: int, hoo
               label: str) -> tuple[list[dict], float]:
     from openai import OpenAI
 
-    from kapc.client import plan_xargs
 
     client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=1800)
     model = client.models.list().data[0].id

@@ -53,7 +53,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 
 def _log(*a):

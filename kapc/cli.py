@@ -7,7 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -30,15 +30,15 @@ def _mount_frontend() -> None:
 
 _mount_frontend()
 
-PassesOpt = Annotated[Optional[str], typer.Option(
+PassesOpt = Annotated[str | None, typer.Option(
     "--passes", help="Pipeline, e.g. 'ground,align-spans,select{budget-tokens=1024},"
     "resolve-pages,compact' (default: the default pipeline, less what an input .kap already ran).")]
-ModelOpt = Annotated[Optional[str], typer.Option(
+ModelOpt = Annotated[str | None, typer.Option(
     "--model", help="A model's name (smollm2-135m-instruct, the default; "
     "qwen2.5-coder-0.5b-instruct; `kapc models` lists them) or a local Hugging Face folder.")]
-BlockSizeOpt = Annotated[Optional[int], typer.Option(
+BlockSizeOpt = Annotated[int | None, typer.Option(
     "--block-size", help="The target engine's KV block size (sets resolve-pages' block-size).")]
-EngineOpt = Annotated[Optional[str], typer.Option(
+EngineOpt = Annotated[str | None, typer.Option(
     "--engine", help="Compile for this engine's block size: reference (16), vllm-cpu (32) or "
     "vllm-gpu (16); --block-size wins.")]
 
@@ -58,7 +58,7 @@ def compile_cmd(
     output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the .kapb plan.")],
     passes: PassesOpt = None,
     model: ModelOpt = None,
-    emit_kap: Annotated[Optional[Path], typer.Option(help="Also write the final IR as .kap text.")] = None,
+    emit_kap: Annotated[Path | None, typer.Option(help="Also write the final IR as .kap text.")] = None,
     check_roundtrip: Annotated[bool, typer.Option(help="Print and re-parse the IR after every pass.")] = False,
     block_size: BlockSizeOpt = None,
     engine: EngineOpt = None,
@@ -98,7 +98,7 @@ def explain(
     input: Annotated[Path, typer.Argument(help="prior.json, or a .kap file from any stage.")],
     passes: PassesOpt = None,
     model: ModelOpt = None,
-    print_after: Annotated[Optional[list[str]], typer.Option(
+    print_after: Annotated[list[str] | None, typer.Option(
         "--print-after", help="Print the IR only after these passes (repeatable).")] = None,
     full_text: Annotated[bool, typer.Option(
         help="Print strings whole (each section then parses as .kap); default elides long text.")] = False,
@@ -109,7 +109,7 @@ def explain(
     from kapc.compiler import as_module, block_size_for, build_pipeline, compile_module
     from kapc.errors import excerpt
     from kapc.explain import section
-    from kapc.passes import CompileContext, PASSES
+    from kapc.passes import PASSES, CompileContext
     from kapc.pipeline import PipelineError
 
     wanted = set(print_after or [])
@@ -213,8 +213,8 @@ def fmt(
 @app.command()
 def run(
     plan: Annotated[Path, typer.Argument(help="A .kapb plan.")],
-    accept: Annotated[Optional[str], typer.Option(help="greedy (lossless) or top3 (tolerant); default: the plan's.")] = None,
-    k: Annotated[Optional[int], typer.Option("--k", help="Proposal length; default: the plan's.")] = None,
+    accept: Annotated[str | None, typer.Option(help="greedy (lossless) or top3 (tolerant); default: the plan's.")] = None,
+    k: Annotated[int | None, typer.Option("--k", help="Proposal length; default: the plan's.")] = None,
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 128,
     compare_full: Annotated[bool, typer.Option(help="Also decode with full context; report both.")] = False,
     engine: Annotated[str, typer.Option(help="reference (PyTorch executor) or vllm.")] = "reference",
@@ -253,14 +253,15 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     k: Annotated[int, typer.Option("--k", help="Most tokens a plan proposes per cycle (plans choose theirs up to it).")] = MAX_AUTO_K,
-    block_size: Annotated[Optional[int], typer.Option(help="KV block size (default: 32 on CPU, 16 on a GPU).")] = None,
-    max_model_len: Annotated[Optional[int], typer.Option(help="Longest prompt plus output (default: the model's).")] = None,
-    kv_cache_gib: Annotated[Optional[float], typer.Option(help="KV cache size on a CPU (default: 4).")] = None,
+    block_size: Annotated[int | None, typer.Option(help="KV block size (default: 32 on CPU, 16 on a GPU).")] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="Longest prompt plus output (default: the model's).")] = None,
+    kv_cache_gib: Annotated[float | None, typer.Option(help="KV cache size on a CPU (default: 4).")] = None,
     hook: Annotated[bool, typer.Option(help="--no-hook: plain vLLM, the baseline to compare with.")] = True,
 ) -> None:
     """Serve the OpenAI-compatible API with kapc's plans (vLLM's server, kapc's hook). Options
     after the ones above pass through to vLLM's server (e.g. --max-num-seqs 32)."""
-    from kapc.runtime.vllm.serve import serve as run_server, server_command
+    from kapc.runtime.vllm.serve import serve as run_server
+    from kapc.runtime.vllm.serve import server_command
 
     cmd = server_command(model, host=host, port=port, k=k, block_size=block_size,
                          max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, hook=hook,
@@ -285,12 +286,12 @@ def calibrate(
              "apart or more fit how acceptance changes with length).")] = "4096,7936",
     block_size: BlockSizeOpt = None,
     model: ModelOpt = None,
-    dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16, ... (default: float32 on CPU, bfloat16 on a GPU).")] = None,
+    dtype: Annotated[str | None, typer.Option(help="float32, bfloat16, ... (default: float32 on CPU, bfloat16 on a GPU).")] = None,
     device: Annotated[str, typer.Option(help="reference engine: cpu or cuda.")] = "cpu",
-    threads: Annotated[Optional[int], typer.Option(help="reference engine: torch threads (default: torch's).")] = None,
+    threads: Annotated[int | None, typer.Option(help="reference engine: torch threads (default: torch's).")] = None,
     quick: Annotated[bool, typer.Option(help="A small grid (2K/4K, batch 1/4, 8 steps, 2 questions).")] = False,
     resume: Annotated[bool, typer.Option(help="Continue an interrupted calibration.")] = True,
-    only: Annotated[Optional[str], typer.Option(
+    only: Annotated[str | None, typer.Option(
         help="Measure only these kinds of point again (comma-separated: plain, resting, cycle, "
              "select, tolerant, acceptance; cycle times resting steps too), keeping the rest "
              "of this engine's profile.")] = None,
@@ -298,14 +299,16 @@ def calibrate(
     refit: Annotated[bool, typer.Option(
         help="Fit the step models of the profiles found (or --profile) again from their own "
              "samples, as this kapc fits them, and exit: measures nothing.")] = False,
-    profile: Annotated[Optional[Path], typer.Option(help="With --show or --refit: this profile file.")] = None,
-    plot: Annotated[Optional[Path], typer.Option(help="Write measured-against-fitted step times as PNG.")] = None,
-    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Where to write the profile (default: the cache).")] = None,
+    profile: Annotated[Path | None, typer.Option(help="With --show or --refit: this profile file.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write measured-against-fitted step times as PNG.")] = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Where to write the profile (default: the cache).")] = None,
 ) -> None:
     """Time decode steps on this machine and fit the cost model the compiler predicts with."""
     from kapc.profile import load_profile, profiles_dir
-    from kapc.runtime.calibrate import (MEASURES, Grid, calibrate as run, plot as plot_profile,
-                                        show as show_profile)
+    from kapc.runtime.calibrate import MEASURES, Grid
+    from kapc.runtime.calibrate import calibrate as run
+    from kapc.runtime.calibrate import plot as plot_profile
+    from kapc.runtime.calibrate import show as show_profile
 
     kinds = tuple(x.strip() for x in only.split(",") if x.strip()) if only is not None else MEASURES
     if not kinds or any(k not in MEASURES for k in kinds):
@@ -343,7 +346,6 @@ def calibrate(
                     budgets=(0.1, 0.3), acceptance_tokens=48)
     if engine == "reference":
         from kapc.runtime.calibrate import ReferenceBench
-
         from kapc.runtime.model import load_model
 
         bench = ReferenceBench(block_size=block_size or 16, max_context=grid.longest,
@@ -450,7 +452,7 @@ def bench(
 
 @app.command()
 def models(
-    prepare: Annotated[Optional[str], typer.Option(
+    prepare: Annotated[str | None, typer.Option(
         help="Convert this model now (tokenizer, config and weights) instead of at first use.")] = None,
 ) -> None:
     """List the models kapc knows by name, and where each is cached."""

@@ -14,8 +14,13 @@ from kapc.limits import MAX_BLOCK_SIZE
 from kapc.lower.lower import lower_module
 from kapc.passes import CompileContext, Pass
 from kapc.passes.resolve_pages import ResolvePages
-from kapc.pipeline import (PipelineError, PipelineResult, parse_pipeline, remaining_default,
-                           run_pipeline)
+from kapc.pipeline import (
+    PipelineError,
+    PipelineResult,
+    parse_pipeline,
+    remaining_default,
+    run_pipeline,
+)
 from kapc.policy import ENGINE_BLOCK_SIZE
 from kapc.prior import Prior, load_prior
 

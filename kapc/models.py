@@ -18,6 +18,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
 from kapc.errors import KapcError, excerpt
 from kapc.limits import MAX_PROMPT_TOKENS
 

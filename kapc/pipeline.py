@@ -17,10 +17,10 @@ import msgspec
 
 from kapc import settings
 from kapc.checker import check_module
+from kapc.errors import KapcError, excerpt
 from kapc.ir import Module
 from kapc.parse import parse_module, print_module
 from kapc.passes import DEFAULT_PIPELINE, PASSES, CompileContext, Pass
-from kapc.errors import KapcError, excerpt
 
 
 class PipelineError(KapcError):

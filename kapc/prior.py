@@ -17,11 +17,11 @@ from __future__ import annotations
 import json
 import math
 import re
-
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
+
 from kapc.errors import KapcError
 from kapc.files import FileError, read_input, without_bom
 

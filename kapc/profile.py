@@ -242,7 +242,7 @@ def fit_acceptance(points: list[tuple[float, int, float, int]]) -> AcceptanceFit
 
 
 def now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 _encoder = msgspec.json.Encoder()

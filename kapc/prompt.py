@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kapc.errors import KapcError, excerpt
 from kapc.ir import Module
 from kapc.models import ModelAssets
-from kapc.errors import KapcError, excerpt
 
 
 class PromptError(KapcError):
@@ -44,7 +44,7 @@ class Tokens:
         last = np.searchsorted(self.starts, np.asarray(ends), side="left")
         return first, np.maximum(first, last)
 
-    def segment_spans(self, rendered: "RenderedPrompt", module: Module) -> list[tuple[int, int]]:
+    def segment_spans(self, rendered: RenderedPrompt, module: Module) -> list[tuple[int, int]]:
         """Each segment's token span [first, last), in segment order."""
         chars = [rendered.segment_chars[seg.id] for seg in module.segment]
         firsts, lasts = self.spans_of([c[0] for c in chars], [c[1] for c in chars])
@@ -172,7 +172,7 @@ class Tokenization:
                        None)
             raise PromptError(f"the prompt holds a lone surrogate (U+{ord(rendered.text[exc.start]):04X})"
                               + (f" in segment %{seg}" if seg else "") + "; text must be Unicode "
-                              f"characters") from None
+                              "characters") from None
         # A chat template already writes every special token it wants; raw prompts get the
         # tokenizer's own (BOS, if it adds one), as Hugging Face does for plain text.
         return rendered, self(rendered.text, add_special_tokens=module.kap.request == "raw")

@@ -33,8 +33,8 @@ def test_compiler_and_frontend_render_and_tokenize_as_the_models_own_template(na
     from transformers import AutoTokenizer
 
     from kapc.frontend.prompt import prompt_tokenizer
-    from kapc.passes import CompileContext
     from kapc.ingest import module_from_prior
+    from kapc.passes import CompileContext
     from kapc.prior import Request
 
     prior = decode_prior(PRIOR.read_bytes())

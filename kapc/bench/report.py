@@ -277,7 +277,7 @@ def plot_all(summary: list[dict], out: Path) -> list[Path]:
         lengths = sorted({k[0] for k in by})
         tag = f"{d}-{w}"
 
-        def series(m, field):
+        def series(m, field, by=by, lengths=lengths):
             return [by.get((n, m), {}).get(field) for n in lengths]
 
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.4))

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from kapc.bench import cases
 from kapc.errors import KapcError
-from kapc.models import DEFAULT_MODEL
 from kapc.frontend.progress import steps
+from kapc.models import DEFAULT_MODEL
 
 METHODS = ("full", "kapc", "kapc-top3", "physical", "random", "window")
 PLAN_RULE = {"kapc": "greedy", "kapc-top3": "top3"}

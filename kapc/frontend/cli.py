@@ -7,7 +7,7 @@ import functools
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -17,13 +17,13 @@ prior_app = typer.Typer(no_args_is_help=True, add_completion=False,
                              "retrieval frontend, or from HippoRAG, GraphRAG, LightRAG or plain "
                              "scored passages.")
 
-OutOpt = Annotated[Optional[Path], typer.Option(
+OutOpt = Annotated[Path | None, typer.Option(
     "-o", "--output", help="Where to write prior.json (default: standard output).")]
-QuestionOpt = Annotated[Optional[str], typer.Option(
+QuestionOpt = Annotated[str | None, typer.Option(
     "--question", help="The question, when the input file does not carry it.")]
-InstructionOpt = Annotated[Optional[str], typer.Option(
+InstructionOpt = Annotated[str | None, typer.Option(
     "--instruction", help="The system instruction (default: answer briefly from the passages).")]
-ModelOpt = Annotated[Optional[str], typer.Option(
+ModelOpt = Annotated[str | None, typer.Option(
     "--model", help="The model whose tokenizer and chat template count the context tokens: a "
     "name (smollm2-135m-instruct, the default; qwen2.5-coder-0.5b-instruct) or a local Hugging "
     "Face folder.")]
@@ -38,9 +38,9 @@ TokensOpt = Annotated[int, typer.Option(
     "--context-tokens", "-n", help="Target prompt length in model tokens (chat template "
     "included); the prompt is the longest that fits.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for the order of hard negatives.")]
-IndexOpt = Annotated[Optional[int], typer.Option("--index", "-i", help="Question index in the "
+IndexOpt = Annotated[int | None, typer.Option("--index", "-i", help="Question index in the "
                                                  "dev file.")]
-IdOpt = Annotated[Optional[str], typer.Option("--id", help="Question id in the dev file.")]
+IdOpt = Annotated[str | None, typer.Option("--id", help="Question id in the dev file.")]
 
 
 def _graph_config(name: str):

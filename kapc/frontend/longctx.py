@@ -36,8 +36,7 @@ import numpy as np
 
 from kapc.frontend import data
 from kapc.frontend.errors import FrontendError, require
-from kapc.frontend.prompt import (DEFAULT_INSTRUCTION, chat_request, passage_text,
-                                  prompt_tokenizer)
+from kapc.frontend.prompt import DEFAULT_INSTRUCTION, chat_request, passage_text, prompt_tokenizer
 from kapc.models import load_assets, prepare
 from kapc.prior import Request, Segment
 

@@ -28,6 +28,7 @@ from typing import Literal
 
 import msgspec
 import numpy as np
+
 from kapc.errors import KapcError
 from kapc.files import read_input, write_output
 from kapc.limits import MAX_BATCH, MAX_BLOCK_SIZE, MAX_K, MAX_PROMPT_TOKENS

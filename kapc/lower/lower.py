@@ -9,12 +9,18 @@ from __future__ import annotations
 import numpy as np
 
 from kapc import __version__
-from kapc.ir import Module
-from kapc.lower.kapb import (CostPrediction, FallbackPolicy, KapbError, PlanHeader, decode_plan,
-                             encode_plan)
-from kapc.policy import access_policy
-from kapc.passes.base import CompileContext
 from kapc.errors import KapcError
+from kapc.ir import Module
+from kapc.lower.kapb import (
+    CostPrediction,
+    FallbackPolicy,
+    KapbError,
+    PlanHeader,
+    decode_plan,
+    encode_plan,
+)
+from kapc.passes.base import CompileContext
+from kapc.policy import access_policy
 
 
 class LowerError(KapcError):

@@ -20,8 +20,8 @@ import lark
 
 from kapc.errors import excerpt
 from kapc.files import FileError, read_input, without_bom
-from kapc.limits import MAX_KAP_TOKENS
 from kapc.ir import KAP_VERSION, REF, STATEMENTS, WORD, Anchor, Module, Range
+from kapc.limits import MAX_KAP_TOKENS
 from kapc.parse.diagnostics import KapError
 from kapc.parse.printer import statement_fields
 

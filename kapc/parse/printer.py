@@ -7,7 +7,7 @@ import json
 import math
 import re
 import typing
-from functools import lru_cache
+from functools import cache
 
 import msgspec
 
@@ -16,7 +16,7 @@ from kapc.ir import REF, STATEMENTS, WORD, Anchor, Module, Node, Range
 _BARE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
-@lru_cache(maxsize=None)
+@cache
 def statement_fields(cls: type[Node]) -> tuple[tuple[str, object, bool, object], ...]:
     """(name, type hint with extras, required, default) for every field of a statement."""
     hints = typing.get_type_hints(cls, include_extras=True)
@@ -33,7 +33,7 @@ def print_module(module: Module, elide: int | None = None) -> str:
     """The canonical text. With `elide`, strings longer than that are cut and marked with `...`
     (for reading; such text does not parse back to the same module)."""
     lines = []
-    for keyword, (cls, many) in STATEMENTS.items():
+    for keyword, (_cls, many) in STATEMENTS.items():
         value = getattr(module, keyword)
         for stmt in (value if many else ([] if value is None else [value])):
             lines.append(print_statement(keyword, stmt, elide))

@@ -16,7 +16,7 @@ PASSES: dict[str, type[Pass]] = {p.name: p for p in (Ground, AlignSpans, Select,
 # keeps gold recall at 0.92 / 0.91 / 0.91 while s falls 0.37 / 0.21 / 0.12 at 2K / 4K / 8K
 # (docs/passes.md); a fixed budget ratio would keep s flat as the context grows.
 DEFAULT_SELECT_OPTIONS = {"budget-ratio": 0.5, "keep-top": 5, "keep-growth": 1}
-DEFAULT_SELECT = "select{%s}" % ",".join(f"{k}={v}" for k, v in DEFAULT_SELECT_OPTIONS.items())
+DEFAULT_SELECT = "select{" + ",".join(f"{k}={v}" for k, v in DEFAULT_SELECT_OPTIONS.items()) + "}"
 DEFAULT_PIPELINE = f"ground,align-spans,{DEFAULT_SELECT},resolve-pages,compact"
 
 __all__ = ["PASSES", "DEFAULT_PIPELINE", "DEFAULT_SELECT_OPTIONS", "CompileContext", "Pass", "PassError"]

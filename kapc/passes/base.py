@@ -7,10 +7,10 @@ import functools
 import math
 from typing import ClassVar
 
+from kapc.errors import KapcError
 from kapc.ir import Module
 from kapc.models import ModelAssets, load_assets
 from kapc.prompt import Tokenization
-from kapc.errors import KapcError
 
 
 class PassError(KapcError):

@@ -32,8 +32,17 @@ from kapc import ir
 from kapc.errors import excerpt
 from kapc.limits import MAX_BATCH, MAX_K
 from kapc.passes.base import CompileContext, Pass, PassError
-from kapc.policy import (MAX_TOPN, AccessPolicy, PolicyError, access_problem, critical_context,
-                         padded_view, parse_accept, plan_speedup, predict)
+from kapc.policy import (
+    MAX_TOPN,
+    AccessPolicy,
+    PolicyError,
+    access_problem,
+    critical_context,
+    padded_view,
+    parse_accept,
+    plan_speedup,
+    predict,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,12 +60,12 @@ def in_place(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
             T = S.shape[-1]
             S.view(kvh, groups, r.q, T)[..., T - r.q:].add_(mask)
         P = torch.softmax(S, dim=-1)
-        O, t = None, 0
+        acc, t = None, 0
         for s, n in r.runs:
             part = torch.matmul(P[..., t:t + n], v_pool[:, s:s + n])
-            O = part if O is None else O.add_(part)
+            acc = part if acc is None else acc.add_(part)
             t += n
-        out[r.offset:r.offset + r.q] = O.view(kvh, groups, r.q, hd).permute(2, 0, 1, 3) \
+        out[r.offset:r.offset + r.q] = acc.view(kvh, groups, r.q, hd).permute(2, 0, 1, 3) \
             .reshape(r.q, nh * hd)
     return out
 

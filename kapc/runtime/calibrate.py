@@ -32,8 +32,18 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from kapc.profile import (FEATURES, Profile, StepSample, acceptance_key, fit_acceptance, fit_steps, now,
-                          profile_key, profiles_dir, save_profile)
+from kapc.profile import (
+    FEATURES,
+    Profile,
+    StepSample,
+    acceptance_key,
+    fit_acceptance,
+    fit_steps,
+    now,
+    profile_key,
+    profiles_dir,
+    save_profile,
+)
 
 CALIBRATION_QUESTIONS = 1000  # first HotpotQA dev index of the calibration split
 
@@ -109,7 +119,7 @@ class Partial:
     done: dict = field(default_factory=dict)
 
     @classmethod
-    def open(cls, path: Path, resume: bool) -> "Partial":
+    def open(cls, path: Path, resume: bool) -> Partial:
         part = cls(path)
         if resume and path.exists():
             for line in path.read_text().splitlines():

@@ -31,9 +31,19 @@ import torch
 import torch.nn.functional as F
 
 from kapc.lower.kapb import Plan, PlanMismatch, check_plan_matches, prompt_hash
-from kapc.policy import (AccessPolicy, AccessView, AcceptanceMonitor, PolicyError,
-                         access_problem, access_view, accepted_prefix, admit, engine_blocks,
-                         parse_accept, visible_tokens)
+from kapc.policy import (
+    AcceptanceMonitor,
+    AccessPolicy,
+    AccessView,
+    PolicyError,
+    accepted_prefix,
+    access_problem,
+    access_view,
+    admit,
+    engine_blocks,
+    parse_accept,
+    visible_tokens,
+)
 from kapc.runtime import attention, selection
 from kapc.runtime.model import RuntimeModel
 from kapc.runtime.paged_kv import NULL_BLOCK, PagedKVCache, Workspace
@@ -106,7 +116,7 @@ class BatchStats:
         return max(0.0, self.decode_s - self.proposal_s - self.verify_s)
 
     def overlap_by_layer(self) -> dict[int, float]:
-        return {l: hit / total for l, (hit, total) in sorted(self.overlap.items()) if total}
+        return {layer: hit / total for layer, (hit, total) in sorted(self.overlap.items()) if total}
 
     def as_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}

@@ -14,9 +14,9 @@ sliding window). Anything the executor cannot run exactly is refused with the re
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 

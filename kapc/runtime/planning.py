@@ -6,8 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from kapc.lower.kapb import (CostPrediction, FallbackPolicy, Plan, PlanHeader, decode_plan,
-                             encode_plan, prompt_hash)
+from kapc.lower.kapb import (
+    CostPrediction,
+    FallbackPolicy,
+    Plan,
+    PlanHeader,
+    decode_plan,
+    encode_plan,
+    prompt_hash,
+)
 from kapc.policy import predicted_speedup
 
 

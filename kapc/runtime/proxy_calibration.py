@@ -8,7 +8,7 @@ proxy choice against the true query's (`Executor.measure_overlap`).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from kapc.policy import AccessPolicy
 from kapc.profile import now
@@ -42,7 +42,7 @@ def calibrate_proxy(model, *, questions: int = 4, context: int = 4096, budget: f
         _, stats = ex.generate([Request(ids, plan=plan, max_tokens=tokens, access=access,
                                         ignore_eos=True) for ids, plan in prompts])
         per_layer = stats.overlap_by_layer()
-        overlaps[proxy] = tuple([1.0] + [round(per_layer.get(l, 0.0), 4) for l in range(1, L)])
+        overlaps[proxy] = tuple([1.0] + [round(per_layer.get(layer, 0.0), 4) for layer in range(1, L)])
         progress(f"{proxy}: mean overlap {sum(overlaps[proxy][1:]) / max(1, L - 1):.3f}")
     ex.clear_prefix_cache()
     return ProxyMix(version=MIX_VERSION, model=model.name, model_fingerprint=model.fingerprint,

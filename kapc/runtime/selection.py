@@ -157,10 +157,10 @@ class Router:
         self.stats, self.measure = stats, measure_overlap
         per_row = [query_sources(a, L) for a in rows_access]
         # per layer: {"in": rows, "mid": rows} whose proxy comes from that earlier state
-        self.src = [{st: torch.tensor([b for b, r in enumerate(per_row) if r[l] == st],
+        self.src = [{st: torch.tensor([b for b, r in enumerate(per_row) if r[layer] == st],
                                       dtype=torch.long, device=forced.device)
-                     for st in ("in", "mid") if any(r[l] == st for r in per_row)}
-                    for l in range(L)]
+                     for st in ("in", "mid") if any(r[layer] == st for r in per_row)}
+                    for layer in range(L)]
         self.proxies: dict[int, torch.Tensor] = {}
         self.offsets = torch.arange(block_size, device=forced.device)
 

@@ -57,9 +57,9 @@ def test_summary_by_hand(summary):
 
 def _table_rows(text):
     lines = text.splitlines()
-    assert lines[1].startswith("|---:") and all(l.count("|") == lines[0].count("|")
-                                                for l in lines)
-    return [[c.strip() for c in l.strip("|").split("|")] for l in lines[2:]]
+    assert lines[1].startswith("|---:") and all(line.count("|") == lines[0].count("|")
+                                                for line in lines)
+    return [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
 
 
 def test_tables_have_the_papers_shape(summary):

@@ -58,9 +58,9 @@ def test_pipeline_options_change_the_plan(tmp_path):
                                 f"ground,align-spans,select{{budget-ratio={budget}}},"
                                 "resolve-pages{block-size=32},compact{k=4,accept=top3}"])
         assert r.exit_code == 0, r.output
-    s, l = read_plan(small).header, read_plan(large).header
-    assert s.block_size == l.block_size == 32 and s.k == 4 and s.accept == "top3"
-    assert s.retained_ratio < l.retained_ratio
+    s, big = read_plan(small).header, read_plan(large).header
+    assert s.block_size == big.block_size == 32 and s.k == 4 and s.accept == "top3"
+    assert s.retained_ratio < big.retained_ratio
 
 
 def test_fmt_check_and_rewrite(tmp_path):
@@ -95,11 +95,11 @@ def test_help_everywhere(cmd):
 
 def test_python_dash_m_and_no_torch_in_the_compiler(tmp_path):
     out = tmp_path / "p.kapb"
-    code = ("import sys, runpy; sys.argv=['kapc','compile',%r,'-o',%r]\n"
+    code = (f"import sys, runpy; sys.argv=['kapc','compile',{str(PRIOR)!r},'-o',{str(out)!r}]\n"
             "try:\n    runpy.run_module('kapc', run_name='__main__')\n"
             "except SystemExit as e:\n    assert not e.code, e.code\n"
             "heavy = sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules)\n"
-            "print('HEAVY', heavy)" % (str(PRIOR), str(out)))
+            "print('HEAVY', heavy)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "HEAVY []" in proc.stdout

@@ -12,11 +12,11 @@ from kapc.ingest import module_from_prior
 from kapc.parse import parse_module, print_module
 from kapc.passes import DEFAULT_PIPELINE
 from kapc.pipeline import parse_pipeline, run_pipeline
-
-DEFAULT_NAMES = [p.name for p in parse_pipeline(DEFAULT_PIPELINE)]
 from kapc.prior import load_prior
 from tests.compiler.snapshot import KapSnapshot, TextSnapshot
 from tests.conftest import example_priors
+
+DEFAULT_NAMES = [p.name for p in parse_pipeline(DEFAULT_PIPELINE)]
 
 CASES = [p for p in example_priors() if p.name.endswith("-700.prior.json")]
 

@@ -10,13 +10,43 @@ import numpy as np
 import pytest
 
 from kapc.lower.kapb import CostPrediction, FallbackPolicy, PlanHeader
-from kapc.policy import (AcceptanceMonitor, DraftRow, PolicyError, StepClock, accepted_prefix,
-                         acceptance_rate, admit, critical_context, padded_view, plan_speedup,
-                         profile_pays_from, engine_blocks, engine_step, estimated_p, parse_accept, plan_step, predict,
-                         predicted_speedup, run_forecast, step_cost, step_forecast, step_tokens, tokens_per_cycle, unplanned_step,
-                         visible_tokens)
-from kapc.profile import (AcceptanceFit, Profile, StepFit, StepSample, fit_acceptance, fit_steps,
-                          load_profile, save_profile)
+from kapc.policy import (
+    AcceptanceMonitor,
+    DraftRow,
+    PolicyError,
+    StepClock,
+    acceptance_rate,
+    accepted_prefix,
+    admit,
+    critical_context,
+    engine_blocks,
+    engine_step,
+    estimated_p,
+    padded_view,
+    parse_accept,
+    plan_speedup,
+    plan_step,
+    predict,
+    predicted_speedup,
+    profile_pays_from,
+    run_forecast,
+    step_cost,
+    step_forecast,
+    step_tokens,
+    tokens_per_cycle,
+    unplanned_step,
+    visible_tokens,
+)
+from kapc.profile import (
+    AcceptanceFit,
+    Profile,
+    StepFit,
+    StepSample,
+    fit_acceptance,
+    fit_steps,
+    load_profile,
+    save_profile,
+)
 
 
 def test_acceptance_rules():

@@ -13,8 +13,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kapc import ir
-from kapc.lower.kapb import (CostPrediction, FallbackPolicy, PlanHeader, decode_plan, encode_plan,
-                             prompt_hash)
+from kapc.lower.kapb import (
+    CostPrediction,
+    FallbackPolicy,
+    PlanHeader,
+    decode_plan,
+    encode_plan,
+    prompt_hash,
+)
 from kapc.parse import parse_module, print_module
 from kapc.parse.printer import statement_fields
 

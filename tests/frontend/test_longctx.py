@@ -68,7 +68,7 @@ def test_gold_paragraphs_always_present(contexts):
 
 
 def test_negatives_are_other_questions_paragraphs(contexts):
-    for (qi, n), lc in contexts.items():
+    for (qi, _n), lc in contexts.items():
         q = data.hotpotqa_question(index=qi)
         own = {p.title for p in q.paragraphs}
         negs = [p for p, o in zip(lc.passages, lc.origins) if o == "negative"]

@@ -35,7 +35,6 @@ from kapc.parse import parse_module, print_module
 from kapc.passes import CompileContext
 from kapc.pipeline import parse_pipeline, pipeline_text, run_pipeline
 from kapc.prior import decode_prior, load_prior
-
 from tests.fuzz import kapb_tools
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -414,7 +413,7 @@ _PLAN_FILES = {2: "q0000-700.2-align-spans.kap", 3: "q0000-700.3-select.kap",
                4: "q0000-700.4-resolve-pages.kap"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def stage_module(stage: int) -> Module:
     if stage == 0:
         return module_from_prior(load_prior(ROOT / "examples/hotpotqa/q0000-700.prior.json"))

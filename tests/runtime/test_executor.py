@@ -11,7 +11,6 @@ import pytest
 from kapc.lower.kapb import FallbackPolicy, PlanMismatch
 from kapc.runtime.executor import Executor, Request
 from kapc.runtime.planning import plan_from_blocks
-
 from tests.laws import ranks_under_full_context
 
 from .conftest import BLOCK, NEW_TOKENS, gold_plan
@@ -173,7 +172,7 @@ def test_no_kv_block_leak_across_100_requests(model, prompts):
     base = prompts[0].token_ids
     rng = np.random.default_rng(0)
     done = 0
-    for batch in range(10):
+    for _batch in range(10):
         reqs = []
         for j in range(10):
             n = int(rng.integers(20, 60))

@@ -1,8 +1,14 @@
 """Which models the executor accepts and refuses (configs only: no weights needed)."""
 
 import pytest
-from transformers import (BloomConfig, LlamaConfig, LlavaConfig, MistralConfig, Qwen2Config,
-                          Qwen3Config)
+from transformers import (
+    BloomConfig,
+    LlamaConfig,
+    LlavaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from kapc.runtime.model import UnsupportedModel, check_supported
 

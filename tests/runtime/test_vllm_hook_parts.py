@@ -7,8 +7,13 @@ from __future__ import annotations
 import numpy as np
 
 from kapc.policy import AcceptanceMonitor
-from kapc.runtime.vllm.proposer import (_ReqState, accepted_of, compact_row, draft_budget,
-                                        record_verification)
+from kapc.runtime.vllm.proposer import (
+    _ReqState,
+    accepted_of,
+    compact_row,
+    draft_budget,
+    record_verification,
+)
 
 BLOCKS = [10, 11, 12, 13, 14, 15]  # the request's real blocks, logical blocks 0..5
 BS = 4

@@ -21,7 +21,6 @@ from kapc.client import plan_xargs, request_stats, server_stats
 from tests.serve.conftest import FORCE, PRIORS
 
 
-
 def _tag(name: str) -> str:
     return f"{name}-{uuid.uuid4().hex[:6]}"
 
@@ -61,7 +60,7 @@ def test_plans_and_bad_plans_interleaved(server, reference, kapb):
     outs = _run(server, jobs, workers=len(jobs))
     for (key, n, xargs), out in zip(jobs, outs):
         assert out == reference(key, n), f"{xargs.get('kapc_tag')}: output differs"
-    for (key, n, xargs), why in bad:
+    for (_key, _n, xargs), why in bad:
         st = request_stats(server.root, xargs["kapc_tag"])
         assert st["status"] == "refused" and why in st["reason"], st
         assert st["proposed"] == 0

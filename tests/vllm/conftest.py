@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from benchmarks.vllm_decode import compile_prior
 
 pytest.importorskip("vllm")

@@ -78,7 +78,7 @@ def _build(head_dim: int, block_size: int) -> Path:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _library(head_dim: int, block_size: int) -> ctypes.CDLL:
     if head_dim % 8 or block_size % 8:
         raise KernelUnavailable(f"kapc's attention kernel needs a head dim and block size that "

@@ -165,9 +165,8 @@ def make_engine(model_dir=None, block_size: int = 32, k: int = 4, hook: bool = T
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         if in_process:
             os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-    from vllm import LLM
-
     import torch
+    from vllm import LLM
 
     on_cpu = not torch.cuda.is_available()
     if dtype is None:

@@ -10,10 +10,16 @@ import time
 
 from kapc.errors import KapcError
 from kapc.profile import acceptance_key
-from kapc.runtime.vllm import compat
-from kapc.runtime.calibrate import (CycleTimes, Grid, acceptance_points, access_of,
-                                    build_acceptance_cases, cycle_times, median_step,
-                                    timing_prompts)
+from kapc.runtime.calibrate import (
+    CycleTimes,
+    Grid,
+    acceptance_points,
+    access_of,
+    build_acceptance_cases,
+    cycle_times,
+    median_step,
+    timing_prompts,
+)
 
 K_MAX = 8  # the hook engine is started with k = 8: verification of up to q = 9 tokens
 
@@ -24,12 +30,16 @@ class VllmBench:
     def __init__(self, block_size: int = 32, max_context: int = 7936, max_batch: int = 16,
                  kv_cache_gib: float | None = None, dtype: str | None = None,
                  model_dir: str | None = None):
-        import torch
         import vllm
 
         from kapc.models import load_assets, resolve
-        from kapc.runtime.vllm import (check_vllm_version, default_dtype, engine_block_size,
-                                       engine_kind, size_cpu_engine)
+        from kapc.runtime.vllm import (
+            check_vllm_version,
+            default_dtype,
+            engine_block_size,
+            engine_kind,
+            size_cpu_engine,
+        )
 
         check_vllm_version()
         self.engine = engine_kind()

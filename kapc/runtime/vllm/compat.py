@@ -201,8 +201,10 @@ class DraftWeights:
 def _draft_linear_size(module) -> int:
     """The input size of a vLLM-CPU oneDNN linear layer that forwards call (0 for anything else:
     other layers, and the token embedding, whose matmul is never called)."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead,
-                                                                     VocabParallelEmbedding)
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
 
     if not callable(getattr(module, "cpu_linear", None)) \
             or module.cpu_linear is torch.nn.functional.linear:

@@ -685,8 +685,14 @@ class KapProposer:
     def _plan_step(self, rows, num_tokens_no_spec, n_rows):
         """Keep, and cap the drafts of, the rows whose drafting pays for the whole batch this
         step (kapc.policy.plan_step, from the profile and each row's observed acceptance)."""
-        from kapc.policy import (DraftRow, estimated_p, plan_step, resting_kind, step_forecast,
-                                 step_tokens)
+        from kapc.policy import (
+            DraftRow,
+            estimated_p,
+            plan_step,
+            resting_kind,
+            step_forecast,
+            step_tokens,
+        )
 
         def as_draft_row(st, P, budget):
             return DraftRow(p=estimated_p(st.prior_p, st.accepted, st.tried), k=budget,

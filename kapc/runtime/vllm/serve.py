@@ -59,11 +59,19 @@ def server_command(model: str | None = None, *, host: str = "127.0.0.1", port: i
     On a CPU the KV cache gets `kv_cache_gib` (default CPU_KV_CACHE_GIB) unless the caller sizes
     it: left to vLLM, the CPU worker asks for 92% of the machine's memory and refuses to start
     whenever slightly less is free, which on a small machine is most of the time."""
-    from kapc.policy import CPU_BLOCK_MULTIPLE, ENGINE_BLOCK_SIZE
-    from kapc.runtime.vllm import (PROPOSER_CLASS, SCHEDULER_CLASS, WORKER_EXTENSION_CLASS,
-                                   VLLMUnsupported, check_model_supported, check_vllm_version,
-                                   default_dtype, engine_kind, size_cpu_engine)
     from kapc.memory import EngineMemoryError
+    from kapc.policy import CPU_BLOCK_MULTIPLE, ENGINE_BLOCK_SIZE
+    from kapc.runtime.vllm import (
+        PROPOSER_CLASS,
+        SCHEDULER_CLASS,
+        WORKER_EXTENSION_CLASS,
+        VLLMUnsupported,
+        check_model_supported,
+        check_vllm_version,
+        default_dtype,
+        engine_kind,
+        size_cpu_engine,
+    )
     from kapc.runtime.vllm.compat import api_server_module
 
     try:
