@@ -57,19 +57,45 @@ def synthetic_prior(tokens: int, units: int, seed: int = 0) -> Prior:
         text = text[:chars_each] + "\n\n"
         pid = f"p{i}"
         segs.append(Segment(text=text, kind="passage", id=pid, title=p.title))
-        unit_list.append(Unit(id=pid, kind="passage", segment=pid,
-                              scores={"dense": rng.random(), "sparse": rng.random() * 30}))
+        unit_list.append(
+            Unit(
+                id=pid,
+                kind="passage",
+                segment=pid,
+                scores={"dense": rng.random(), "sparse": rng.random() * 30},
+            )
+        )
         at = rng.randrange(0, len(text) - 20)
-        unit_list.append(Unit(id=f"n{i}", kind="node", text=text[at:at + 12],
-                              anchors=[Anchor(segment=pid, start=at, end=at + 12)],
-                              scores={"ppr": rng.random() / n_passages}))
-    request = Request(messages=[
-        Message(role="system", segments=[Segment(text="Answer from the passages.", kind="instruction")]),
-        Message(role="user", segments=[*segs, Segment(text="Question: what is synthetic here?",
-                                                      kind="question", id="q")]),
-    ])
-    return Prior(name=f"synthetic-{tokens}", request=request, units=unit_list,
-                 frontend=Frontend(name="benchmarks.compile_time", params={"seed": seed}))
+        unit_list.append(
+            Unit(
+                id=f"n{i}",
+                kind="node",
+                text=text[at : at + 12],
+                anchors=[Anchor(segment=pid, start=at, end=at + 12)],
+                scores={"ppr": rng.random() / n_passages},
+            )
+        )
+    request = Request(
+        messages=[
+            Message(
+                role="system",
+                segments=[Segment(text="Answer from the passages.", kind="instruction")],
+            ),
+            Message(
+                role="user",
+                segments=[
+                    *segs,
+                    Segment(text="Question: what is synthetic here?", kind="question", id="q"),
+                ],
+            ),
+        ]
+    )
+    return Prior(
+        name=f"synthetic-{tokens}",
+        request=request,
+        units=unit_list,
+        frontend=Frontend(name="benchmarks.compile_time", params={"seed": seed}),
+    )
 
 
 def long_context_model(base: CompileContext, positions: int) -> Path:
@@ -103,16 +129,21 @@ def measure(prior: Prior, ctx: CompileContext, repeat: int) -> dict[str, float]:
         t0 = time.perf_counter()
         lower_module(result.module, ctx)
         lower.append(time.perf_counter() - t0)
-    out = {"prompt_tokens": result.module.prompt.tokens, "units": len(prior.units),
-           "with_tokenization_ms": 1e3 * statistics.median(cold),
-           "passes_only_ms": 1e3 * statistics.median(warm),
-           "lower_ms": 1e3 * statistics.median(lower)}
+    out = {
+        "prompt_tokens": result.module.prompt.tokens,
+        "units": len(prior.units),
+        "with_tokenization_ms": 1e3 * statistics.median(cold),
+        "passes_only_ms": 1e3 * statistics.median(warm),
+        "lower_ms": 1e3 * statistics.median(lower),
+    }
     out.update({f"{k}_ms": 1e3 * statistics.median(v) for k, v in per_pass.items()})
     return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--real-tokens", type=int, default=8192)
     ap.add_argument("--synthetic-tokens", type=int, default=131072)
@@ -122,26 +153,48 @@ def main() -> None:
     base = CompileContext()
     rows = []
     try:
-        rows.append(("hotpotqa 8K (real frontend)", measure(real_prior(args.real_tokens), base, args.repeat)))
+        rows.append(
+            (
+                "hotpotqa 8K (real frontend)",
+                measure(real_prior(args.real_tokens), base, args.repeat),
+            )
+        )
     except ImportError as exc:  # the frontend is optional for this benchmark
         print(f"(skipping the real prior: {exc})")
     folder = long_context_model(base, max(args.synthetic_tokens * 2, 8192))
     try:
         ctx = CompileContext(str(folder))
-        rows.append((f"synthetic {args.synthetic_tokens // 1024}K, {args.units} units",
-                     measure(synthetic_prior(args.synthetic_tokens, args.units), ctx, args.repeat)))
+        rows.append(
+            (
+                f"synthetic {args.synthetic_tokens // 1024}K, {args.units} units",
+                measure(synthetic_prior(args.synthetic_tokens, args.units), ctx, args.repeat),
+            )
+        )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
-    cols = {"prompt_tokens": "tokens", "units": "units", "with_tokenization_ms": "+tokenize",
-            "passes_only_ms": "passes", "ground_ms": "ground", "align-spans_ms": "align",
-            "select_ms": "select", "resolve-pages_ms": "pages", "compact_ms": "compact",
-            "lower_ms": "lower"}
-    print(f"compile time, median of {args.repeat} runs, milliseconds; 'passes' excludes tokenization, "
-          f"'+tokenize' includes it")
+    cols = {
+        "prompt_tokens": "tokens",
+        "units": "units",
+        "with_tokenization_ms": "+tokenize",
+        "passes_only_ms": "passes",
+        "ground_ms": "ground",
+        "align-spans_ms": "align",
+        "select_ms": "select",
+        "resolve-pages_ms": "pages",
+        "compact_ms": "compact",
+        "lower_ms": "lower",
+    }
+    print(
+        f"compile time, median of {args.repeat} runs, milliseconds; 'passes' excludes tokenization, "
+        f"'+tokenize' includes it"
+    )
     print(f"{'case':34s}" + "".join(f"{c:>10s}" for c in cols.values()))
     for name, r in rows:
-        print(f"{name:34s}" + "".join(f"{r[c]:10.1f}" if c.endswith("_ms") else f"{r[c]:10d}" for c in cols))
+        print(
+            f"{name:34s}"
+            + "".join(f"{r[c]:10.1f}" if c.endswith("_ms") else f"{r[c]:10d}" for c in cols)
+        )
 
 
 if __name__ == "__main__":

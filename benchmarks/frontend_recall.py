@@ -45,8 +45,12 @@ import time
 from pathlib import Path
 
 BASE = ("bm25", "dense", "fusion")
-KEEP = {"bm25": {"sparse"}, "dense": {"dense"}, "fusion": {"sparse", "dense", "fusion"},
-        "graph-ppr": {"ppr"}}
+KEEP = {
+    "bm25": {"sparse"},
+    "dense": {"dense"},
+    "fusion": {"sparse", "dense", "fusion"},
+    "graph-ppr": {"ppr"},
+}
 
 
 def graph_configs() -> dict[str, object]:
@@ -55,6 +59,7 @@ def graph_configs() -> dict[str, object]:
     import dataclasses
 
     from kapc.frontend import graph
+
     out = {"graph": graph.DEFAULT}
     if graph.DEFAULT.max_nodes > 0:
         out["graph-no-nodes"] = dataclasses.replace(graph.DEFAULT, max_nodes=0)
@@ -73,14 +78,18 @@ def variants() -> tuple[str, ...]:
 
 def _variant(prior, name: str):
     import msgspec
+
     if name in BASE:
         keep = KEEP[name]
     elif name.endswith("-ppr"):
         keep = KEEP["graph-ppr"]
     else:
         return prior
-    units = [msgspec.structs.replace(u, scores={k: v for k, v in u.scores.items() if k in keep})
-             for u in prior.units if u.kind == "passage"]
+    units = [
+        msgspec.structs.replace(u, scores={k: v for k, v in u.scores.items() if k in keep})
+        for u in prior.units
+        if u.kind == "passage"
+    ]
     return msgspec.structs.replace(prior, units=units)
 
 
@@ -88,6 +97,7 @@ def _selected(prior, passes, ctx) -> tuple[set[str], float]:
     """The passages `select` keeps, and the share of the prompt's tokens it keeps (s)."""
     from kapc.ingest import module_from_prior
     from kapc.pipeline import run_pipeline
+
     out = run_pipeline(module_from_prior(prior), passes, ctx, verify=False).module
     return {k.id for k in out.keep if k.why == "evidence"}, out.select.kept / out.prompt.tokens
 
@@ -97,6 +107,7 @@ def run_one(index: int, length: int, passes, ctx, model: str | None = None) -> d
     config), and compile every variant's prior."""
     from kapc.frontend import hybrid
     from kapc.frontend.longctx import build_hotpotqa
+
     t0, c0 = time.perf_counter(), time.process_time()
     lc = build_hotpotqa(index, length, model=model)
     t1 = time.perf_counter()
@@ -108,16 +119,27 @@ def run_one(index: int, length: int, passes, ctx, model: str | None = None) -> d
     runs = {}  # configs that differ only in their node units share one graph run
     for g, cfg in graph_configs().items():
         key = dataclasses.replace(cfg, max_nodes=0)
-        sg = runs.get(key) or runs.setdefault(key, hybrid.with_graph(question, passages, scored,
-                                                                      cfg))
-        priors[g] = hybrid.prior_from_scored(lc.request, name, "graph", passages, sg, meta=meta,
-                                             graph_config=cfg)
+        sg = runs.get(key) or runs.setdefault(
+            key, hybrid.with_graph(question, passages, scored, cfg)
+        )
+        priors[g] = hybrid.prior_from_scored(
+            lc.request, name, "graph", passages, sg, meta=meta, graph_config=cfg
+        )
     t2 = time.perf_counter()
     gold = set(meta["gold_passages"])
-    row = {"index": index, "id": lc.question_id, "length": length,
-           "prompt_tokens": lc.prompt_tokens, "passages": len(passages), "gold": sorted(gold),
-           "build_s": round(t1 - t0, 3), "frontend_s": round(t2 - t1, 3), "recall": {},
-           "kept": {}, "s": {}}
+    row = {
+        "index": index,
+        "id": lc.question_id,
+        "length": length,
+        "prompt_tokens": lc.prompt_tokens,
+        "passages": len(passages),
+        "gold": sorted(gold),
+        "build_s": round(t1 - t0, 3),
+        "frontend_s": round(t2 - t1, 3),
+        "recall": {},
+        "kept": {},
+        "s": {},
+    }
     for v in variants():
         prior = priors["graph" if v in BASE else v.removesuffix("-ppr")]
         kept, s = _selected(_variant(prior, v), passes, ctx)
@@ -132,6 +154,7 @@ def run_one(index: int, length: int, passes, ctx, model: str | None = None) -> d
 def summarize(rows: list[dict], lengths: list[int]) -> str:
     from rich.console import Console
     from rich.table import Table
+
     table = Table(title="Gold supporting-paragraph recall within the compiler's select budget")
     table.add_column("length")
     table.add_column("questions", justify="right")
@@ -159,28 +182,47 @@ def summarize(rows: list[dict], lengths: list[int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.frontend_recall",
-                                 description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.frontend_recall", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--questions", type=int, default=500, help="how many questions (default 500)")
     ap.add_argument("--start", type=int, default=0, help="first question index (default 0)")
     ap.add_argument("--lengths", default="4096,8192", help="prompt lengths in tokens")
-    ap.add_argument("--model", default=None,
-                    help="a model's name (smollm2-135m-instruct, the default) or a Hugging Face folder")
-    ap.add_argument("--budget-ratio", type=float, default=0.1,
-                    help="select budget as a share of the prompt (default 0.1)")
-    ap.add_argument("--select", default="",
-                    help="more select options, e.g. 'keep-top=4' or 'min-prior=0.6' "
-                         "(evidence-driven selection; the budget is then a ceiling)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a model's name (smollm2-135m-instruct, the default) or a Hugging Face folder",
+    )
+    ap.add_argument(
+        "--budget-ratio",
+        type=float,
+        default=0.1,
+        help="select budget as a share of the prompt (default 0.1)",
+    )
+    ap.add_argument(
+        "--select",
+        default="",
+        help="more select options, e.g. 'keep-top=4' or 'min-prior=0.6' "
+        "(evidence-driven selection; the budget is then a ceiling)",
+    )
     ap.add_argument("--jsonl", type=Path, help="write per-question rows here")
     ap.add_argument("--resume", action="store_true", help="skip rows already in --jsonl")
     ap.add_argument("--fp32", action="store_true", help="dense encoder in float32 (slower)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads (default 1: on a shared machine more threads spin "
-                         "against other jobs and run several times slower)")
-    ap.add_argument("--memo", type=Path, default=None,
-                    help="on-disk memo of embeddings and entities per text (default "
-                         "$KAPC_CACHE_DIR/frontend/memo.sqlite); reruns and --resume skip the "
-                         "model work already done")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: on a shared machine more threads spin "
+        "against other jobs and run several times slower)",
+    )
+    ap.add_argument(
+        "--memo",
+        type=Path,
+        default=None,
+        help="on-disk memo of embeddings and entities per text (default "
+        "$KAPC_CACHE_DIR/frontend/memo.sqlite); reruns and --resume skip the "
+        "model work already done",
+    )
     ap.add_argument("--no-memo", action="store_true", help="no on-disk memo")
     args = ap.parse_args(argv)
     if not args.fp32:
@@ -188,9 +230,11 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if not args.no_memo:
         from kapc.models import cache_root
+
         memo = args.memo or cache_root() / "frontend" / "memo.sqlite"
         os.environ["KAPC_FRONTEND_MEMO"] = str(memo)
     import torch
+
     torch.set_num_threads(max(1, args.threads))
     lengths = [int(x) for x in args.lengths.split(",") if x]
 
@@ -210,8 +254,12 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(r)
                 done.add((r["index"], r["length"]))
     sink = args.jsonl.open("a" if args.resume else "w") if args.jsonl else None
-    todo = [(i, n) for i in range(args.start, args.start + args.questions)
-            for n in sorted(lengths, reverse=True) if (i, n) not in done]
+    todo = [
+        (i, n)
+        for i in range(args.start, args.start + args.questions)
+        for n in sorted(lengths, reverse=True)
+        if (i, n) not in done
+    ]
     t0 = time.perf_counter()
     new_rows: list[dict] = []
     # Longest first per question: shorter prompts are prefixes, so their embeddings and entities
@@ -229,12 +277,17 @@ def main(argv: list[str] | None = None) -> None:
     wall = time.perf_counter() - t0
     questions = len({i for i, _ in todo})
     cpu = sum(r["cpu_s"] for r in new_rows)
-    per_q = (f", per question (all lengths) {wall / questions:.2f}s wall, {cpu / questions:.2f}s "
-             f"CPU" if questions else "")
-    print(f"# {len(rows)} (question, length) rows, {len(todo)} computed in {wall:.0f}s this run"
-          f"{per_q}; select{{{options}}}, dense precision "
-          f"{os.environ.get('KAPC_DENSE_PRECISION', 'float32')}, torch threads {args.threads}, "
-          f"memo {os.environ.get('KAPC_FRONTEND_MEMO', 'off')}")
+    per_q = (
+        f", per question (all lengths) {wall / questions:.2f}s wall, {cpu / questions:.2f}s CPU"
+        if questions
+        else ""
+    )
+    print(
+        f"# {len(rows)} (question, length) rows, {len(todo)} computed in {wall:.0f}s this run"
+        f"{per_q}; select{{{options}}}, dense precision "
+        f"{os.environ.get('KAPC_DENSE_PRECISION', 'float32')}, torch threads {args.threads}, "
+        f"memo {os.environ.get('KAPC_FRONTEND_MEMO', 'off')}"
+    )
     summarize(rows, lengths)
 
 

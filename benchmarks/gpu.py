@@ -27,29 +27,65 @@ import sys
 import time
 from pathlib import Path
 
-LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-                max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False)
-LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
-                max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True)
-TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=4096,
-            tie_word_embeddings=True)  # for a smoke test of this script on a CPU
+LLAMA_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+)
+LLAMA_1B = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    tie_word_embeddings=True,
+)
+TINY = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=512,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)  # for a smoke test of this script on a CPU
 SHAPES = {"llama-8b": LLAMA_8B, "llama-1b": LLAMA_1B, "tiny": TINY}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="folder for profile.json, steps.jsonl, summary.txt")
+    ap.add_argument(
+        "--out", required=True, help="folder for profile.json, steps.jsonl, summary.txt"
+    )
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
     ap.add_argument("--contexts", default="8192,16384,32768,65536")
     ap.add_argument("--batches", default="1,4,8,16,32")
-    ap.add_argument("--max-kv-tokens", type=int, default=524288,
-                    help="skip (context, batch) points whose KV exceeds this many tokens")
+    ap.add_argument(
+        "--max-kv-tokens",
+        type=int,
+        default=524288,
+        help="skip (context, batch) points whose KV exceeds this many tokens",
+    )
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--budget-s", type=float, default=420.0,
-                    help="stop starting new points after this many seconds")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=420.0,
+        help="stop starting new points after this many seconds",
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args(argv)
@@ -69,14 +105,20 @@ def main(argv=None) -> int:
     contexts = sorted(int(x) for x in args.contexts.split(","))
     batches = sorted(int(x) for x in args.batches.split(","))
     pairs = ((0.05, 2), (0.1, 4), (0.2, 8))
-    m = random_model(SHAPES[args.shape], device=args.device, dtype=args.dtype,
-                     name=f"random-{args.shape}")
+    m = random_model(
+        SHAPES[args.shape], device=args.device, dtype=args.dtype, name=f"random-{args.shape}"
+    )
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, m.vocab - 100, (max(contexts),), generator=gen).tolist()
     kv_gib = args.max_kv_tokens * 1.3 * m.kv_bytes_per_token() / 2**30
-    bench = ReferenceBench(block_size=16, model=m, max_context=max(contexts),
-                           max_batch=max(batches), kv_cache_gib=kv_gib,
-                           prompts=lambda rows, tokens: [prompt[:tokens]] * rows)
+    bench = ReferenceBench(
+        block_size=16,
+        model=m,
+        max_context=max(contexts),
+        max_batch=max(batches),
+        kv_cache_gib=kv_gib,
+        prompts=lambda rows, tokens: [prompt[:tokens]] * rows,
+    )
     log = open(out / "steps.jsonl", "w")
     samples: list[StepSample] = []
     # no page-choice or acceptance points (the reference executor's page choice is not what a GPU
@@ -84,12 +126,23 @@ def main(argv=None) -> int:
     # of the greedy q's only (enough points for its fit): the run must fit its time budget. So
     # the cycles' drafts read static pages too, and time no resting steps beside them (the
     # executor's resting step is its plain step, timed once per point)
-    grid = Grid(contexts=tuple(contexts), batches=tuple(batches), pairs=pairs, steps=args.steps,
-                acceptance_questions=0, select_pair=None, tolerant_pairs=((0.1, 4), (0.2, 8)),
-                draft_access="static", rest_beside_cycles=False)
-    print(f"benchmarks.gpu: {m.name} ({sum(p.numel() for p in m.hf.parameters()) / 1e9:.1f}B "
-          f"params, {args.dtype}) on {torch.cuda.get_device_name() if args.device == 'cuda' else args.device}; "
-          f"KV pool {kv_gib:.0f} GiB", flush=True)
+    grid = Grid(
+        contexts=tuple(contexts),
+        batches=tuple(batches),
+        pairs=pairs,
+        steps=args.steps,
+        acceptance_questions=0,
+        select_pair=None,
+        tolerant_pairs=((0.1, 4), (0.2, 8)),
+        draft_access="static",
+        rest_beside_cycles=False,
+    )
+    print(
+        f"benchmarks.gpu: {m.name} ({sum(p.numel() for p in m.hf.parameters()) / 1e9:.1f}B "
+        f"params, {args.dtype}) on {torch.cuda.get_device_name() if args.device == 'cuda' else args.device}; "
+        f"KV pool {kv_gib:.0f} GiB",
+        flush=True,
+    )
     skipped = 0
     for kind, L, B, s, q in grid.points():
         if L * B > args.max_kv_tokens or kind == "resting":  # the executor's resting is plain
@@ -103,20 +156,36 @@ def main(argv=None) -> int:
         for x in new:
             log.write(json.dumps([x.kind, x.batch, x.query, x.visible, x.seconds]) + "\n")
         log.flush()
-        print(f"  {kind:8} L={L:<6} B={B:<3}" + (f" s={s} q={q}" if kind != "plain" else "") + "  "
-              + ", ".join(f"{x.kind} {x.seconds * 1e3:.1f} ms" for x in new)
-              + f"  ({time.perf_counter() - t0:.0f}s)", flush=True)
-    profile = Profile(engine="reference", engine_version="kapc", model=m.name,
-                      model_fingerprint=m.fingerprint, dtype=args.dtype, device=args.device,
-                      threads=torch.get_num_threads(), block_size=16, created=now(),
-                      samples=tuple(samples), fits=fit_steps(samples),
-                      note="RANDOM WEIGHTS (throughput only); every row decodes the same prompt; "
-                           "the reference executor gathers KV per step")
+        print(
+            f"  {kind:8} L={L:<6} B={B:<3}"
+            + (f" s={s} q={q}" if kind != "plain" else "")
+            + "  "
+            + ", ".join(f"{x.kind} {x.seconds * 1e3:.1f} ms" for x in new)
+            + f"  ({time.perf_counter() - t0:.0f}s)",
+            flush=True,
+        )
+    profile = Profile(
+        engine="reference",
+        engine_version="kapc",
+        model=m.name,
+        model_fingerprint=m.fingerprint,
+        dtype=args.dtype,
+        device=args.device,
+        threads=torch.get_num_threads(),
+        block_size=16,
+        created=now(),
+        samples=tuple(samples),
+        fits=fit_steps(samples),
+        note="RANDOM WEIGHTS (throughput only); every row decodes the same prompt; "
+        "the reference executor gathers KV per step",
+    )
     save_profile(profile, out / "profile.json")
     from kapc.runtime.calibrate import show
 
-    summary = show(profile) + f"\n{skipped} points skipped for the time budget; " \
-                              f"{time.perf_counter() - t_start:.0f}s in all\n"
+    summary = (
+        show(profile) + f"\n{skipped} points skipped for the time budget; "
+        f"{time.perf_counter() - t_start:.0f}s in all\n"
+    )
     (out / "summary.txt").write_text(summary)
     print(summary)
     return 0

@@ -39,9 +39,11 @@ def table(rows: list[dict]) -> list[str]:
         c, b, m = key
         return c, b, ORDER.index(m) if m in ORDER else len(ORDER), m
 
-    out = ["| context | batch | method | tok/s | ratio to plain vLLM | s | h | tokens/cycle "
-           "| same as plain |",
-           "|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+    out = [
+        "| context | batch | method | tok/s | ratio to plain vLLM | s | h | tokens/cycle "
+        "| same as plain |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---|",
+    ]
     for key in sorted(groups, key=order):
         c, b, m = key
         rs = groups[key]
@@ -50,10 +52,15 @@ def table(rows: list[dict]) -> list[str]:
         ratios = fmt("-" if r.get("ratio") is None else f"{r['ratio']:.2f}" for r in rs)
         s = fmt(f"{r['s']:.3f}" for r in rs if r.get("s") is not None) or "-"
         h = fmt(f"{r['h']:.2f}" for r in rs if r.get("h") is not None) or "-"
-        tpc = fmt(f"{r['tokens_per_cycle']:.2f}" for r in rs
-                  if r.get("tokens_per_cycle") is not None) or "-"
-        same = "-" if m == "full" else fmt(
-            {True: "yes", False: "no", None: "-"}[r.get("identical_to_full")] for r in rs)
+        tpc = (
+            fmt(f"{r['tokens_per_cycle']:.2f}" for r in rs if r.get("tokens_per_cycle") is not None)
+            or "-"
+        )
+        same = (
+            "-"
+            if m == "full"
+            else fmt({True: "yes", False: "no", None: "-"}[r.get("identical_to_full")] for r in rs)
+        )
         out.append(f"| {c:,} | {b} | {m} | {speeds} | {ratios} | {s} | {h} | {tpc} | {same} |")
     return out
 
@@ -71,7 +78,8 @@ def plot(rows: list[dict], path: Path) -> Path:
     for r in rows:
         if r["method"] != "full" and r.get("ratio") is not None:
             lines.setdefault((r["method"], r["batch"]), {}).setdefault(r["context"], []).append(
-                r["ratio"])
+                r["ratio"]
+            )
         if r["method"] == "kapc" and r.get("s") is not None:
             svals.setdefault(r["batch"], {}).setdefault(r["context"], []).append(r["s"])
     for (m, b), pts in sorted(lines.items()):

@@ -32,16 +32,22 @@ def _best(fn, repeat: int) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.vllm_attention",
-                                 description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.vllm_attention", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=7936)
     ap.add_argument("--queries", default="1,2,3,5,8", help="query tokens per row to time")
     ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--model", default="smollm2-135m-instruct",
-                    help="the registered model whose shape is timed")
-    ap.add_argument("--split-kv", action=argparse.BooleanOptionalAction, default=True,
-                    help="the scheduler's KV split for one-token rows (VLLM_CPU_ATTN_SPLIT_KV)")
+    ap.add_argument(
+        "--model", default="smollm2-135m-instruct", help="the registered model whose shape is timed"
+    )
+    ap.add_argument(
+        "--split-kv",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the scheduler's KV split for one-token rows (VLLM_CPU_ATTN_SPLIT_KV)",
+    )
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
@@ -67,14 +73,22 @@ def main(argv=None) -> int:
     caches = [torch.randn(B * per_row, KVH, bs, 2 * D) for _ in range(layers)]
     views = [c.view(B * per_row, KVH, 2 * bs, D).chunk(2, dim=2) for c in caches]
     table = torch.randperm(B * per_row).to(torch.int32).view(B, per_row).contiguous()
-    weights = [torch.randn(hidden, (H + 2 * KVH) * D), torch.randn(H * D, hidden),
-               torch.randn(hidden, 2 * inter), torch.randn(inter, hidden)]
+    weights = [
+        torch.randn(hidden, (H + 2 * KVH) * D),
+        torch.randn(H * D, hidden),
+        torch.randn(hidden, 2 * inter),
+        torch.randn(inter, hidden),
+    ]
     head = torch.randn(hidden, vocab)
-    print(f"{cfg.get('_name_or_path', 'model')}: {layers} layers, {H} query / {KVH} KV heads of "
-          f"{D}; batch {B} x {L} context tokens, block {bs}, split-KV {args.split_kv}, "
-          f"{torch.get_num_threads()} threads")
-    print(f"{'q':>3} {'vLLM ms':>9} {'vs q=1':>7} {'kapc ms':>9} {'vs q=1':>7} {'vLLM/kapc':>10} "
-          f"{'max diff':>9} {'linear ms':>10}")
+    print(
+        f"{cfg.get('_name_or_path', 'model')}: {layers} layers, {H} query / {KVH} KV heads of "
+        f"{D}; batch {B} x {L} context tokens, block {bs}, split-KV {args.split_kv}, "
+        f"{torch.get_num_threads()} threads"
+    )
+    print(
+        f"{'q':>3} {'vLLM ms':>9} {'vs q=1':>7} {'kapc ms':>9} {'vs q=1':>7} {'vLLM/kapc':>10} "
+        f"{'max diff':>9} {'linear ms':>10}"
+    )
     base = None  # (vLLM, kapc) at the first q
     for q in (int(x) for x in args.queries.split(",")):
         starts = torch.arange(0, B + 1, dtype=torch.int32) * q
@@ -82,21 +96,41 @@ def main(argv=None) -> int:
         query = torch.randn(B * q, H, D)
         out, mine = torch.empty_like(query), torch.empty_like(query)
         meta = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=B, num_heads=H, num_kv_heads=KVH, head_dim=D, seq_lens=lens,
-            dtype=torch.float32, query_start_loc=starts, causal=True, sliding_window_size=-1,
-            isa="vec", enable_kv_split=args.split_kv)
+            num_reqs=B,
+            num_heads=H,
+            num_kv_heads=KVH,
+            head_dim=D,
+            seq_lens=lens,
+            dtype=torch.float32,
+            query_start_loc=starts,
+            causal=True,
+            sliding_window_size=-1,
+            isa="vec",
+            enable_kv_split=args.split_kv,
+        )
 
         def attention():
             for keys, values in views:
                 ops.cpu_attention_with_kv_cache(
-                    query=query, key_cache=keys, value_cache=values, output=out,
-                    query_start_loc=starts, seq_lens=lens, scale=D ** -0.5, causal=True,
-                    alibi_slopes=None, sliding_window=-1, block_table=table, softcap=0.0,
-                    scheduler_metadata=meta, s_aux=None)
+                    query=query,
+                    key_cache=keys,
+                    value_cache=values,
+                    output=out,
+                    query_start_loc=starts,
+                    seq_lens=lens,
+                    scale=D**-0.5,
+                    causal=True,
+                    alibi_slopes=None,
+                    sliding_window=-1,
+                    block_table=table,
+                    softcap=0.0,
+                    scheduler_metadata=meta,
+                    s_aux=None,
+                )
 
         def kapc_attention():
             for cache in caches:
-                paged_attention(query, cache, mine, starts, lens, table, D ** -0.5)
+                paged_attention(query, cache, mine, starts, lens, table, D**-0.5)
 
         x, attn_out, mlp_mid = (torch.randn(B * q, n) for n in (hidden, H * D, inter))
 
@@ -112,8 +146,11 @@ def main(argv=None) -> int:
         b = _best(kapc_attention, args.repeat) * 1000
         base = base or (a, b)
         diff = (out - mine).abs().max().item()
-        print(f"{q:>3} {a:>9.1f} {a / base[0]:>6.2f}x {b:>9.1f} {b / base[1]:>6.2f}x "
-              f"{a / b:>9.2f}x {diff:>9.1e} {_best(linear, args.repeat) * 1000:>10.1f}", flush=True)
+        print(
+            f"{q:>3} {a:>9.1f} {a / base[0]:>6.2f}x {b:>9.1f} {b / base[1]:>6.2f}x "
+            f"{a / b:>9.2f}x {diff:>9.1e} {_best(linear, args.repeat) * 1000:>10.1f}",
+            flush=True,
+        )
     return 0
 
 

@@ -59,29 +59,54 @@ def _log(*a):
     print(*a, file=sys.stderr, flush=True)
 
 
-def pipeline_for(block_size: int = 32, budget_ratio: float = 0.2, k: int = 4,
-                 batch: int = 1, accept: str = "greedy", select: str = "",
-                 access: str | None = None, access_budget: float | str = "plan") -> str:
+def pipeline_for(
+    block_size: int = 32,
+    budget_ratio: float = 0.2,
+    k: int = 4,
+    batch: int = 1,
+    accept: str = "greedy",
+    select: str = "",
+    access: str | None = None,
+    access_budget: float | str = "plan",
+) -> str:
     """`select` adds select options, e.g. "keep-top=5,keep-growth=1" (evidence-driven: the
     budget ratio becomes a ceiling); `access` static, dynamic or hybrid (None: compact's
     default), where query-aware reads `access_budget` of the prompt (or "plan": the plan's own
     s)."""
     extra = f",{select}" if select else ""
-    pages = "" if access is None else f",access={access}" + (
-        "" if access == "static" else f",access-budget={access_budget}")
-    return (f"ground,align-spans,select{{budget-ratio={budget_ratio}{extra}}},"
-            f"resolve-pages{{block-size={block_size}}},"
-            f"compact{{k={k},batch={batch},accept={accept}{pages}}}")
+    pages = (
+        ""
+        if access is None
+        else f",access={access}" + ("" if access == "static" else f",access-budget={access_budget}")
+    )
+    return (
+        f"ground,align-spans,select{{budget-ratio={budget_ratio}{extra}}},"
+        f"resolve-pages{{block-size={block_size}}},"
+        f"compact{{k={k},batch={batch},accept={accept}{pages}}}"
+    )
 
 
-def compile_prior(prior, block_size: int = 32, budget_ratio: float = 0.2, k: int | str = 4,
-                  batch: int = 1, ctx=None, accept: str = "greedy", select: str = "",
-                  access: str | None = None, access_budget: float | str = "plan") -> bytes:
+def compile_prior(
+    prior,
+    block_size: int = 32,
+    budget_ratio: float = 0.2,
+    k: int | str = 4,
+    batch: int = 1,
+    ctx=None,
+    accept: str = "greedy",
+    select: str = "",
+    access: str | None = None,
+    access_budget: float | str = "plan",
+) -> bytes:
     """A prior (or its JSON file) -> .kapb bytes, compiled for this block size."""
     from kapc.compiler import compile_to_kapb
 
-    return compile_to_kapb(prior, pipeline_for(block_size, budget_ratio, k, batch, accept,
-                                               select, access, access_budget), ctx, verify=False)
+    return compile_to_kapb(
+        prior,
+        pipeline_for(block_size, budget_ratio, k, batch, accept, select, access, access_budget),
+        ctx,
+        verify=False,
+    )
 
 
 def default_select() -> tuple[float, str]:
@@ -122,15 +147,30 @@ def fit_context(target: int, new_tokens: int, k: int, block_size: int, model=Non
     A context past the model's positions is refused, not cut."""
     positions = model_max_len(model)
     if target > positions:
-        raise SystemExit(f"context {target:,}: the model holds {positions:,} positions; "
-                         f"give contexts up to {positions:,}")
+        raise SystemExit(
+            f"context {target:,}: the model holds {positions:,} positions; "
+            f"give contexts up to {positions:,}"
+        )
     return target - new_tokens - 2 * k - block_size
 
 
-def build_cases(contexts, n, block_size, k, budget_ratio, batches, frontend, first: int = 0,
-                variants=(("greedy", None),), new_tokens: int = 0, auto: bool = False,
-                select: str = "", access_budget: float | str = "plan", model=None,
-                shared: bool = False):
+def build_cases(
+    contexts,
+    n,
+    block_size,
+    k,
+    budget_ratio,
+    batches,
+    frontend,
+    first: int = 0,
+    variants=(("greedy", None),),
+    new_tokens: int = 0,
+    auto: bool = False,
+    select: str = "",
+    access_budget: float | str = "plan",
+    model=None,
+    shared: bool = False,
+):
     """{context: [(ids, {(batch, rule, access mode): plan bytes}), ...n]} for HotpotQA dev
     questions first..first+n-1, one plan per batch size and (rule, mode) of `variants`; prompts
     are built to `fit_context` of each context. With `shared`, the questions read one long
@@ -152,25 +192,41 @@ def build_cases(contexts, n, block_size, k, budget_ratio, batches, frontend, fir
         target = fit_context(c, new_tokens, k, block_size, model)
         if shared:
             t0 = time.perf_counter()
-            priors = hotpotqa_shared_priors(range(first, first + n), target, frontend=frontend,
-                                            model=model)
-            _log(f"  one document for q{first}..q{first + n - 1} at {c}: "
-                 f"{time.perf_counter() - t0:.1f}s")
+            priors = hotpotqa_shared_priors(
+                range(first, first + n), target, frontend=frontend, model=model
+            )
+            _log(
+                f"  one document for q{first}..q{first + n - 1} at {c}: "
+                f"{time.perf_counter() - t0:.1f}s"
+            )
         else:
             priors = None
         for i in range(first, first + n):
             t0 = time.perf_counter()
-            prior = (priors[i - first] if shared else
-                     hotpotqa_prior(i, context_tokens=target, frontend=frontend, model=model))
-            plans = {(b, rule, mode): compile_prior(
-                prior, block_size=block_size, budget_ratio=budget_ratio,
-                k="auto" if auto else k, batch=b, ctx=ctx, accept=rule, select=select,
-                access=mode, access_budget=access_budget)
-                for b in batches for rule, mode in variants}
+            prior = (
+                priors[i - first]
+                if shared
+                else hotpotqa_prior(i, context_tokens=target, frontend=frontend, model=model)
+            )
+            plans = {
+                (b, rule, mode): compile_prior(
+                    prior,
+                    block_size=block_size,
+                    budget_ratio=budget_ratio,
+                    k="auto" if auto else k,
+                    batch=b,
+                    ctx=ctx,
+                    accept=rule,
+                    select=select,
+                    access=mode,
+                    access_budget=access_budget,
+                )
+                for b in batches
+                for rule, mode in variants
+            }
             ids = [int(t) for t in decode_plan(next(iter(plans.values()))).prompt_token_ids]
             rows.append((ids, plans))
-            _log(f"  prior+plans q{i} at {c}: {len(ids)} tokens "
-                 f"({time.perf_counter() - t0:.1f}s)")
+            _log(f"  prior+plans q{i} at {c}: {len(ids)} tokens ({time.perf_counter() - t0:.1f}s)")
         out[c] = rows
     return out
 
@@ -181,18 +237,34 @@ def start_engine(method, cases, batches, args):
     t0 = time.perf_counter()
     k = args.ngram_k if method == "ngram" and args.ngram_k else args.k
     max_len = min(model_max_len(args.model), max(cases) + args.max_tokens + 8 * args.k + 256)
-    eng = make_engine(args.model, block_size=args.block_size, k=k, method=method,
-                      max_model_len=max_len, max_num_seqs=max(batches),
-                      kv_cache_gib=args.kv_cache_gib,
-                      in_process=args.in_process, ngram_max=args.ngram_max, dtype=args.dtype,
-                      ngram_min=args.ngram_min)
+    eng = make_engine(
+        args.model,
+        block_size=args.block_size,
+        k=k,
+        method=method,
+        max_model_len=max_len,
+        max_num_seqs=max(batches),
+        kv_cache_gib=args.kv_cache_gib,
+        in_process=args.in_process,
+        ngram_max=args.ngram_max,
+        dtype=args.dtype,
+        ngram_min=args.ngram_min,
+    )
     _log(f"[{method}] engine up in {time.perf_counter() - t0:.1f}s")
     return eng
 
 
-ENGINE_OF = {"full": "none", "kapc-none": "kapc", "kapc": "kapc", "kapc-top3": "kapc",
-             "kapc-static": "kapc", "kapc-static-top3": "kapc", "kapc-dynamic": "kapc",
-             "kapc-dynamic-top3": "kapc", "ngram": "ngram"}
+ENGINE_OF = {
+    "full": "none",
+    "kapc-none": "kapc",
+    "kapc": "kapc",
+    "kapc-top3": "kapc",
+    "kapc-static": "kapc",
+    "kapc-static-top3": "kapc",
+    "kapc-dynamic": "kapc",
+    "kapc-dynamic-top3": "kapc",
+    "ngram": "ngram",
+}
 
 
 def measure_engine(kind, labels, cases, batches, args) -> list[dict]:
@@ -202,15 +274,20 @@ def measure_engine(kind, labels, cases, batches, args) -> list[dict]:
     same step measured 35% faster at 08:40 than at 03:00, and drifted within one grid."""
     eng = start_engine(kind, cases, batches, args)
     try:
-        return [r for c in cases for b in batches for r in engine_rows(eng, labels, cases, c, b, args)]
+        return [
+            r for c in cases for b in batches for r in engine_rows(eng, labels, cases, c, b, args)
+        ]
     finally:
         eng.close()
 
 
 def engine_rows(eng, labels, cases, context, batch, args) -> list[dict]:
     """The rows of each method in `labels` at one (context, batch), on `eng`, in turn."""
-    return [r for m in labels for r in run_rows(eng, m, {context: cases[context]}, [batch], args,
-                                                 with_plans=has_plans(m))]
+    return [
+        r
+        for m in labels
+        for r in run_rows(eng, m, {context: cases[context]}, [batch], args, with_plans=has_plans(m))
+    ]
 
 
 # --interleave: every engine stays up in a process of its own and each (context, batch) runs on
@@ -259,8 +336,10 @@ class EngineProcess:
 def forecast_gist(totals: dict, forecast_tokens: float | None, tokens: int) -> str:
     """Observed over predicted seconds per step kind over a run, and predicted over emitted
     tokens: which term of the step policy's forecast was off."""
-    parts = [f"{kind} {t['observed_s']:.1f}/{t['predicted_s']:.1f}s ({t['steps']})"
-             for kind, t in totals.items()]
+    parts = [
+        f"{kind} {t['observed_s']:.1f}/{t['predicted_s']:.1f}s ({t['steps']})"
+        for kind, t in totals.items()
+    ]
     if forecast_tokens:
         parts.append(f"tokens {forecast_tokens:.0f}/{tokens}")
     return ", ".join(parts)
@@ -294,18 +373,36 @@ def run_rows(eng, label, cases, batches, args, with_plans: bool):
             # prefill into the prefix cache, and warm the decode (and draft) path up; the first
             # prompt alone first, so that prompts sharing a document find it cached instead of
             # prefilling it side by side
-            generate(eng, ids[:1], plans[:1] if plans else None, max_tokens=2 * args.k,
-                     honor_predicted_loss=False)
+            generate(
+                eng,
+                ids[:1],
+                plans[:1] if plans else None,
+                max_tokens=2 * args.k,
+                honor_predicted_loss=False,
+            )
             generate(eng, ids, plans, max_tokens=2 * args.k, honor_predicted_loss=False)
             _log(f"[{label}] {c} x{b}: prefill {time.perf_counter() - t0:.1f}s")
             # --auto: the plans decide (predicted loss, acceptance below break-even), as in use
-            res = generate(eng, ids, plans, max_tokens=args.max_tokens, ignore_eos=True,
-                           honor_predicted_loss=args.auto, min_acceptance=args.auto)
+            res = generate(
+                eng,
+                ids,
+                plans,
+                max_tokens=args.max_tokens,
+                ignore_eos=True,
+                honor_predicted_loss=args.auto,
+                min_acceptance=args.auto,
+            )
             wall = res[0]["batch_s"]
             ntok = sum(r["generated_tokens"] for r in res)
-            row = {"context": c, "batch": b, "method": label,
-                   "prompt_tokens": sum(len(x) for x in ids) / b, "wall_s": wall,
-                   "out_tok_s": ntok / wall, "tokens": [r["tokens"] for r in res]}
+            row = {
+                "context": c,
+                "batch": b,
+                "method": label,
+                "prompt_tokens": sum(len(x) for x in ids) / b,
+                "wall_s": wall,
+                "out_tok_s": ntok / wall,
+                "tokens": [r["tokens"] for r in res],
+            }
             if with_plans:
                 pl = [decode_plan(p) for p in plans]
                 prop = sum(r["proposed"] for r in res)
@@ -315,40 +412,59 @@ def run_rows(eng, label, cases, batches, args, with_plans: bool):
                 cyc = sum(r["cycles"] for r in res)
                 gen = sum(r["generated_tokens"] - 1 for r in res)
                 cost = pl[0].header.cost
-                row.update(k=sorted({p.header.k for p in pl}),
-                           fallbacks=sum(r["status"] == "fallback" for r in res),
-                           reasons=sorted({r["reason"] for r in res if r.get("reason")}),
-                           pred_auto=sum(p.header.cost.speedup for p in pl) / b)
+                row.update(
+                    k=sorted({p.header.k for p in pl}),
+                    fallbacks=sum(r["status"] == "fallback" for r in res),
+                    reasons=sorted({r["reason"] for r in res if r.get("reason")}),
+                    pred_auto=sum(p.header.cost.speedup for p in pl) / b,
+                )
                 kv = sum(p.header.cost.kv_bytes for p in pl) / b
                 tm = res[0].get("timing", {})
                 # the step policy's forecast of what ran (a profile in use), else None
-                row["pred_run"] = run_forecast(tm.get("forecast_s") or 0.0,
-                                               tm.get("plain_forecast_s") or 0.0,
-                                               tm.get("unforecast_s") or 0.0)
+                row["pred_run"] = run_forecast(
+                    tm.get("forecast_s") or 0.0,
+                    tm.get("plain_forecast_s") or 0.0,
+                    tm.get("unforecast_s") or 0.0,
+                )
                 # the step policy's profile factors at the end (observed over profiled times)
                 row["profile_factors"] = res[0].get("profile_factors")
                 # where the forecast went wrong: seconds observed against predicted per step kind,
                 # and the tokens the step policy expected against those emitted
                 row["step_totals"] = res[0].get("step_totals")
                 row["forecast_tokens"] = tm.get("forecast_tokens")
-                row.update(propose_s=tm.get("propose_s"), select_s=tm.get("select_s"),
-                           draft_forwards=tm.get("draft_forwards"),
-                           verify_steps=max((r["cycles"] for r in res), default=0) + 1)
-                row.update(s=s, h=h, tokens_per_cycle=gen / cyc if cyc else None,
-                           pred_plan_h=cost.speedup, plan_h=cost.h,
-                           pred_measured_h=predicted_speedup(cost.weight_bytes, kv, b, s, h,
-                                                             args.k),
-                           statuses=sorted({r["status"] for r in res}))
+                row.update(
+                    propose_s=tm.get("propose_s"),
+                    select_s=tm.get("select_s"),
+                    draft_forwards=tm.get("draft_forwards"),
+                    verify_steps=max((r["cycles"] for r in res), default=0) + 1,
+                )
+                row.update(
+                    s=s,
+                    h=h,
+                    tokens_per_cycle=gen / cyc if cyc else None,
+                    pred_plan_h=cost.speedup,
+                    plan_h=cost.h,
+                    pred_measured_h=predicted_speedup(cost.weight_bytes, kv, b, s, h, args.k),
+                    statuses=sorted({r["status"] for r in res}),
+                )
             rows.append(row)
-            _log(f"[{label}] {c} x{b}: {ntok} tokens in {wall:.1f}s "
-                 f"({row['out_tok_s']:.2f} tok/s)"
-                 + (f" s={row['s']:.3f} h={row['h']:.2f}; proposer {row['propose_s']:.1f}s in "
+            _log(
+                f"[{label}] {c} x{b}: {ntok} tokens in {wall:.1f}s "
+                f"({row['out_tok_s']:.2f} tok/s)"
+                + (
+                    f" s={row['s']:.3f} h={row['h']:.2f}; proposer {row['propose_s']:.1f}s in "
                     f"{row['draft_forwards']} draft forwards ({row['select_s'] or 0:.2f}s choosing "
                     f"pages), {row['verify_steps']} engine steps"
                     + (f"; profile x{row['profile_factors']}" if row["profile_factors"] else "")
-                    + (f"; forecast {forecast_gist(row['step_totals'], row['forecast_tokens'], ntok)}"
-                       if row["step_totals"] else "")
-                    if with_plans else ""))
+                    + (
+                        f"; forecast {forecast_gist(row['step_totals'], row['forecast_tokens'], ntok)}"
+                        if row["step_totals"]
+                        else ""
+                    )
+                    if with_plans
+                    else ""
+                )
+            )
     return rows
 
 
@@ -357,53 +473,100 @@ def main(argv=None):
     ap.add_argument("--contexts", default="4096,8192")
     ap.add_argument("--batches", default="1,4,8")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--methods", default="full,kapc,kapc-top3,ngram",
-                    help=f"comma list of {', '.join(ENGINE_OF)}")
+    ap.add_argument(
+        "--methods",
+        default="full,kapc,kapc-top3,ngram",
+        help=f"comma list of {', '.join(ENGINE_OF)}",
+    )
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--block-size", type=int, default=32)
     budget, select = default_select()
-    ap.add_argument("--budget-ratio", type=float, default=budget,
-                    help="select's budget (with the default --select, a ceiling)")
-    ap.add_argument("--select", default=select,
-                    help="more select options (default: the default pipeline's)")
-    ap.add_argument("--access-budget", type=access_budget, default="plan",
-                    help="query-aware plans: the retained ratio the view reads, or 'plan' for "
-                    "each plan's own s (matched budgets; the compiler's default)")
+    ap.add_argument(
+        "--budget-ratio",
+        type=float,
+        default=budget,
+        help="select's budget (with the default --select, a ceiling)",
+    )
+    ap.add_argument(
+        "--select", default=select, help="more select options (default: the default pipeline's)"
+    )
+    ap.add_argument(
+        "--access-budget",
+        type=access_budget,
+        default="plan",
+        help="query-aware plans: the retained ratio the view reads, or 'plan' for "
+        "each plan's own s (matched budgets; the compiler's default)",
+    )
     ap.add_argument("--frontend", default="graph")
-    ap.add_argument("--model", default=None,
-                    help="a model's name (smollm2-135m-instruct, the default; "
-                         "qwen2.5-coder-0.5b-instruct) or a Hugging Face folder")
-    ap.add_argument("--shared-document", action="store_true",
-                    help="the questions read one long document (each its own question, prior "
-                    "and plan), so a batch prefills one context instead of one per row: what "
-                    "makes 16K-32K contexts at batch 8 affordable on a small CPU")
-    ap.add_argument("--kv-cache-gib", type=int, default=None,
-                    help="KV cache size (default: what the largest batch needs, plus a quarter)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a model's name (smollm2-135m-instruct, the default; "
+        "qwen2.5-coder-0.5b-instruct) or a Hugging Face folder",
+    )
+    ap.add_argument(
+        "--shared-document",
+        action="store_true",
+        help="the questions read one long document (each its own question, prior "
+        "and plan), so a batch prefills one context instead of one per row: what "
+        "makes 16K-32K contexts at batch 8 affordable on a small CPU",
+    )
+    ap.add_argument(
+        "--kv-cache-gib",
+        type=int,
+        default=None,
+        help="KV cache size (default: what the largest batch needs, plus a quarter)",
+    )
     ap.add_argument("--baseline", choices=("plain", "shared"), default="plain")
-    ap.add_argument("--in-process", action=argparse.BooleanOptionalAction, default=None,
-                    help="engine core and worker in this process (default: vLLM's choice)")
-    ap.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
-                    help="keep every engine up at once and run each (context, batch) on all of "
-                    "them in turn, so that ratios compare runs a minute apart (default); "
-                    "--no-interleave runs one engine after another, in a third of the memory "
-                    "(each engine holds its KV cache: about 6 GiB at 8K x 8)")
-    ap.add_argument("--dtype", default=None,
-                    help="engine dtype for every method (default: float32 on CPU, auto on GPU); "
-                    "bfloat16 uses AMX on CPUs that have it")
-    ap.add_argument("--ngram-k", type=int, default=None,
-                    help="ngram's proposal length (default: --k; with --auto, 4)")
+    ap.add_argument(
+        "--in-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="engine core and worker in this process (default: vLLM's choice)",
+    )
+    ap.add_argument(
+        "--interleave",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep every engine up at once and run each (context, batch) on all of "
+        "them in turn, so that ratios compare runs a minute apart (default); "
+        "--no-interleave runs one engine after another, in a third of the memory "
+        "(each engine holds its KV cache: about 6 GiB at 8K x 8)",
+    )
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        help="engine dtype for every method (default: float32 on CPU, auto on GPU); "
+        "bfloat16 uses AMX on CPUs that have it",
+    )
+    ap.add_argument(
+        "--ngram-k",
+        type=int,
+        default=None,
+        help="ngram's proposal length (default: --k; with --auto, 4)",
+    )
     ap.add_argument("--ngram-max", type=int, default=4)
     ap.add_argument("--ngram-min", type=int, default=2)
-    ap.add_argument("--auto", action="store_true",
-                    help="plans compiled with k=auto and this machine's calibration profile "
-                    "(kapc calibrate), run as the plans decide: fallbacks honoured")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="run every row this many times on each engine in turn (with "
-                         "--no-interleave: start every engine this many times, alternating), and "
-                         "report the median throughput, its spread, and the median of the ratios "
-                         "paired by repeat")
-    ap.add_argument("--quick", action="store_true",
-                    help="reduced run: 4K context, batch 1 and 4, 32 output tokens")
+    ap.add_argument(
+        "--auto",
+        action="store_true",
+        help="plans compiled with k=auto and this machine's calibration profile "
+        "(kapc calibrate), run as the plans decide: fallbacks honoured",
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run every row this many times on each engine in turn (with "
+        "--no-interleave: start every engine this many times, alternating), and "
+        "report the median throughput, its spread, and the median of the ratios "
+        "paired by repeat",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="reduced run: 4K context, batch 1 and 4, 32 output tokens",
+    )
     ap.add_argument("--json", help="write the rows (without token ids) to this file")
     args = ap.parse_args(argv)
     if args.auto:
@@ -426,13 +589,23 @@ def main(argv=None):
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        cases = pool.submit(build_cases, contexts, max(batches), args.block_size, args.k,
-                            args.budget_ratio, batches, args.frontend,
-                            variants=list(dict.fromkeys(variant_of(m) for m in methods
-                                                        if has_plans(m))),
-                            new_tokens=args.max_tokens, auto=args.auto, select=args.select,
-                            access_budget=args.access_budget, model=args.model,
-                            shared=args.shared_document).result()
+        cases = pool.submit(
+            build_cases,
+            contexts,
+            max(batches),
+            args.block_size,
+            args.k,
+            args.budget_ratio,
+            batches,
+            args.frontend,
+            variants=list(dict.fromkeys(variant_of(m) for m in methods if has_plans(m))),
+            new_tokens=args.max_tokens,
+            auto=args.auto,
+            select=args.select,
+            access_budget=args.access_budget,
+            model=args.model,
+            shared=args.shared_document,
+        ).result()
     # every method runs on one engine; methods sharing an engine share its start and prefills
     engines: dict[str, list[str]] = {}
     for m in methods:
@@ -446,16 +619,21 @@ def main(argv=None):
         rows = sequential_rows(engines, cases, batches, args)
     rows = median_rows(rows)
     full = {(r["context"], r["batch"]): r for r in rows if r["method"] == "full"}
-    print(f"\nvLLM {ver}, block size {args.block_size}, k={args.k}, {args.max_tokens} output "
-          f"tokens, greedy, baseline {args.baseline}")
-    hdr = (f"{'ctx':>6} {'batch':>5} {'method':>16} {'prompt':>7} {'tok/s':>7} {'spread':>6} "
-           f"{'ratio':>6} {'plan':>5} "
-           f"{'s':>6} {'h':>5} {'tok/cyc':>7} {'same':>5} {'pred(plan)':>10} "
-           f"{'pred(run)':>9} {'k':>7} {'fallbk':>6}")
+    print(
+        f"\nvLLM {ver}, block size {args.block_size}, k={args.k}, {args.max_tokens} output "
+        f"tokens, greedy, baseline {args.baseline}"
+    )
+    hdr = (
+        f"{'ctx':>6} {'batch':>5} {'method':>16} {'prompt':>7} {'tok/s':>7} {'spread':>6} "
+        f"{'ratio':>6} {'plan':>5} "
+        f"{'s':>6} {'h':>5} {'tok/cyc':>7} {'same':>5} {'pred(plan)':>10} "
+        f"{'pred(run)':>9} {'k':>7} {'fallbk':>6}"
+    )
     print(hdr)
     print("-" * len(hdr))
-    for r in sorted(rows, key=lambda r: (r["context"], r["batch"],
-                                         list(ENGINE_OF).index(r["method"]))):
+    for r in sorted(
+        rows, key=lambda r: (r["context"], r["batch"], list(ENGINE_OF).index(r["method"]))
+    ):
         f = full.get((r["context"], r["batch"]))
         ratio = r["ratio"]
         same = (r["tokens"] == f["tokens"]) if f else None
@@ -464,14 +642,16 @@ def main(argv=None):
         def fmt(x, spec):
             return "-" if x is None else format(x, spec)
 
-        print(f"{r['context']:>6} {r['batch']:>5} {r['method']:>16} {r['prompt_tokens']:>7.0f} "
-              f"{r['out_tok_s']:>7.2f} {fmt(r['spread'], '.0%'):>6} {fmt(ratio, '.2f'):>6} "
-              f"{fmt(r.get('plan_ratio'), '.2f'):>5} "
-              f"{fmt(r.get('s'), '.3f'):>6} "
-              f"{fmt(r.get('h'), '.2f'):>5} {fmt(r.get('tokens_per_cycle'), '.2f'):>7} "
-              f"{fmt(same, ''):>5} {fmt(r.get('pred_auto', r.get('pred_plan_h')), '.2f'):>10} "
-              f"{fmt(r.get('pred_run'), '.2f'):>9} "
-              f"{','.join(map(str, r.get('k', []))) or '-':>7} {fmt(r.get('fallbacks'), 'd'):>6}")
+        print(
+            f"{r['context']:>6} {r['batch']:>5} {r['method']:>16} {r['prompt_tokens']:>7.0f} "
+            f"{r['out_tok_s']:>7.2f} {fmt(r['spread'], '.0%'):>6} {fmt(ratio, '.2f'):>6} "
+            f"{fmt(r.get('plan_ratio'), '.2f'):>5} "
+            f"{fmt(r.get('s'), '.3f'):>6} "
+            f"{fmt(r.get('h'), '.2f'):>5} {fmt(r.get('tokens_per_cycle'), '.2f'):>7} "
+            f"{fmt(same, ''):>5} {fmt(r.get('pred_auto', r.get('pred_plan_h')), '.2f'):>10} "
+            f"{fmt(r.get('pred_run'), '.2f'):>9} "
+            f"{','.join(map(str, r.get('k', []))) or '-':>7} {fmt(r.get('fallbacks'), 'd'):>6}"
+        )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump([{k: v for k, v in r.items() if k != "tokens"} for r in rows], fh, indent=1)
@@ -492,8 +672,7 @@ def sequential_rows(engines: dict[str, list[str]], cases, batches, args) -> list
                 # engine start, and the fourth start in one process failed (AttributeError in
                 # register_triton_kernel_overrides), which broke --repeat
                 with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-                    new = pool.submit(measure_engine, kind, labels, cases, batches,
-                                      args).result()
+                    new = pool.submit(measure_engine, kind, labels, cases, batches, args).result()
             else:
                 new = measure_engine(kind, labels, cases, batches, args)
             rows += [dict(r, repeat=rep) for r in new]
@@ -513,8 +692,9 @@ def interleaved_rows(engines: dict[str, list[str]], cases, contexts, batches, ar
             for c in contexts:
                 for b in batches:
                     for kind in order:
-                        rows += [dict(r, repeat=rep)
-                                 for r in procs[kind].rows(engines[kind], c, b, args)]
+                        rows += [
+                            dict(r, repeat=rep) for r in procs[kind].rows(engines[kind], c, b, args)
+                        ]
     finally:
         for p in procs.values():
             p.close()
@@ -529,26 +709,43 @@ def median_rows(rows: list[dict]) -> list[dict]:
     ratio to `kapc-none` (the same engine without plans) in the same repeat."""
     import statistics
 
-    full = {(r["context"], r["batch"], r["repeat"]): r["out_tok_s"] for r in rows
-            if r["method"] == "full"}
-    bare = {(r["context"], r["batch"], r["repeat"]): r["out_tok_s"] for r in rows
-            if r["method"] == "kapc-none"}
+    full = {
+        (r["context"], r["batch"], r["repeat"]): r["out_tok_s"]
+        for r in rows
+        if r["method"] == "full"
+    }
+    bare = {
+        (r["context"], r["batch"], r["repeat"]): r["out_tok_s"]
+        for r in rows
+        if r["method"] == "kapc-none"
+    }
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["context"], r["batch"], r["method"]), []).append(r)
     out = []
     for group in groups.values():
         speeds = [r["out_tok_s"] for r in group]
-        ratios = [r["out_tok_s"] / full[key] for r in group
-                  if (key := (r["context"], r["batch"], r["repeat"])) in full]
-        over_bare = [r["out_tok_s"] / bare[key] for r in group
-                     if has_plans(r["method"])
-                     and (key := (r["context"], r["batch"], r["repeat"])) in bare]
-        row = dict(group[0], out_tok_s=statistics.median(speeds), tok_s_repeats=speeds,
-                   ratios=ratios, ratio=statistics.median(ratios) if ratios else None,
-                   plan_ratio=statistics.median(over_bare) if over_bare else None,
-                   spread=(max(speeds) - min(speeds)) / statistics.median(speeds)
-                   if len(speeds) > 1 else None)
+        ratios = [
+            r["out_tok_s"] / full[key]
+            for r in group
+            if (key := (r["context"], r["batch"], r["repeat"])) in full
+        ]
+        over_bare = [
+            r["out_tok_s"] / bare[key]
+            for r in group
+            if has_plans(r["method"]) and (key := (r["context"], r["batch"], r["repeat"])) in bare
+        ]
+        row = dict(
+            group[0],
+            out_tok_s=statistics.median(speeds),
+            tok_s_repeats=speeds,
+            ratios=ratios,
+            ratio=statistics.median(ratios) if ratios else None,
+            plan_ratio=statistics.median(over_bare) if over_bare else None,
+            spread=(max(speeds) - min(speeds)) / statistics.median(speeds)
+            if len(speeds) > 1
+            else None,
+        )
         out.append(row)
     return out
 

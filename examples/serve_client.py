@@ -33,18 +33,37 @@ def main() -> None:
     client = OpenAI(base_url=args.url, api_key="unused")
     model = client.models.list().data[0].id
     tag = f"example-{uuid.uuid4().hex[:8]}"
-    xargs = (plan_xargs(kapb=args.plan, tag=tag, accept=args.accept) if args.plan
-             else plan_xargs(prior=args.prior, tag=tag, accept=args.accept))
+    xargs = (
+        plan_xargs(kapb=args.plan, tag=tag, accept=args.accept)
+        if args.plan
+        else plan_xargs(prior=args.prior, tag=tag, accept=args.accept)
+    )
     t0 = time.perf_counter()
     reply = client.chat.completions.create(
-        model=model, messages=chat_messages(args.prior), max_tokens=args.max_tokens,
-        temperature=0, extra_body={"vllm_xargs": xargs})
+        model=model,
+        messages=chat_messages(args.prior),
+        max_tokens=args.max_tokens,
+        temperature=0,
+        extra_body={"vllm_xargs": xargs},
+    )
     seconds = time.perf_counter() - t0
     print(reply.choices[0].message.content)
     print(f"\n{reply.usage.completion_tokens} tokens in {seconds:.2f} s")
     stats = request_stats(args.url, tag)
-    keep = ("status", "reason", "source", "compile_s", "compile_cached", "k", "accept",
-            "retained_ratio", "proposed", "accepted", "acceptance_rate", "access")
+    keep = (
+        "status",
+        "reason",
+        "source",
+        "compile_s",
+        "compile_cached",
+        "k",
+        "accept",
+        "retained_ratio",
+        "proposed",
+        "accepted",
+        "acceptance_rate",
+        "access",
+    )
     print(json.dumps({k: stats.get(k) for k in keep}, indent=1))
 
 

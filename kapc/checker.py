@@ -28,8 +28,11 @@ WRITES = {
     "compact": ("view", "verify", "access", "fallback", "cost"),
 }
 ORDER = ("ground", "align-spans", "select", "resolve-pages", "compact")
-REQUIRES = {"select": ("ground", "align-spans"), "resolve-pages": ("select",),
-            "compact": ("resolve-pages",)}
+REQUIRES = {
+    "select": ("ground", "align-spans"),
+    "resolve-pages": ("select",),
+    "compact": ("resolve-pages",),
+}
 
 Problem = tuple[tuple[str, int] | None, str]  # (statement: keyword and index, or None; message)
 
@@ -44,8 +47,11 @@ def check_module(m: Module, where: str = "", source: SourceMap | None = None) ->
         return
     at = f" ({where})" if where else ""
     messages = [msg for _, msg in problems]
-    text = f"invalid IR{at}: " + "; ".join(messages[:5]) + (
-        f"; and {len(messages) - 5} more" if len(messages) > 5 else "")
+    text = (
+        f"invalid IR{at}: "
+        + "; ".join(messages[:5])
+        + (f"; and {len(messages) - 5} more" if len(messages) > 5 else "")
+    )
     if source is not None:
         stmt = problems[0][0]
         text = source.error(text, *(stmt if stmt else ("kap", 0))).render()
@@ -59,8 +65,13 @@ def _problems(m: Module) -> Iterator[Problem]:
         return
     yield from _request(m)
     ran = set(m.kap.passes)
-    for name, check in (("ground", _ground), ("align-spans", _align_spans), ("select", _select),
-                        ("resolve-pages", _pages), ("compact", _compact)):
+    for name, check in (
+        ("ground", _ground),
+        ("align-spans", _align_spans),
+        ("select", _select),
+        ("resolve-pages", _pages),
+        ("compact", _compact),
+    ):
         if name in ran:
             problems = list(check(m))
             yield from problems
@@ -150,15 +161,27 @@ def _align_spans(m: Module) -> Iterator[Problem]:
     for i, sp in enumerate(m.span):
         seg = segs.get(sp.id)
         if seg is not None and len(sp.chars) != len(seg.text):
-            yield ("span", i), (f"span %{sp.id}: {len(sp.chars)} characters for a "
-                                f"{len(seg.text)}-character segment")
+            yield (
+                ("span", i),
+                (
+                    f"span %{sp.id}: {len(sp.chars)} characters for a "
+                    f"{len(seg.text)}-character segment"
+                ),
+            )
         if sp.chars.start < prev_end or sp.chars.end > chars:
-            yield ("span", i), (f"span %{sp.id}: characters {sp.chars.start}..{sp.chars.end} "
-                                f"overlap or leave the prompt")
+            yield (
+                ("span", i),
+                (
+                    f"span %{sp.id}: characters {sp.chars.start}..{sp.chars.end} "
+                    f"overlap or leave the prompt"
+                ),
+            )
         prev_end = sp.chars.end
         if sp.tokens.end > n:
-            yield ("span", i), (f"span %{sp.id}: tokens {sp.tokens.start}..{sp.tokens.end} past "
-                                f"the prompt ({n})")
+            yield (
+                ("span", i),
+                (f"span %{sp.id}: tokens {sp.tokens.start}..{sp.tokens.end} past the prompt ({n})"),
+            )
     t = m.target
     if t.parameters < 1 or t.kv_elements_per_token < 1:
         yield ("target", 0), "target: parameters and kv_elements_per_token must be positive"
@@ -175,7 +198,10 @@ def _select(m: Module) -> Iterator[Problem]:
     if sel.kept > sel.budget:
         yield ("select", 0), f"select keeps {sel.kept} tokens, over the budget of {sel.budget}"
     if not 0 <= sel.mandatory <= sel.kept:
-        yield ("select", 0), f"select: mandatory tokens ({sel.mandatory}) outside 0..kept ({sel.kept})"
+        yield (
+            ("select", 0),
+            f"select: mandatory tokens ({sel.mandatory}) outside 0..kept ({sel.kept})",
+        )
     if kept == 0:
         yield ("select", 0), "select keeps no tokens: a proposal needs at least the prompt's tail"
 
@@ -188,7 +214,11 @@ def _pages(m: Module) -> Iterator[Problem]:
     if p.blocks != -(-n // p.block_size):
         yield ("pages", 0), f"pages: {p.blocks} blocks for {n} tokens of block size {p.block_size}"
         return
-    if list(p.selected) != union(p.selected) or not p.selected or any(not len(r) for r in p.selected):
+    if (
+        list(p.selected) != union(p.selected)
+        or not p.selected
+        or any(not len(r) for r in p.selected)
+    ):
         yield ("pages", 0), "pages: selected block ranges must be ascending, disjoint and non-empty"
         return
     if p.selected[-1].end != p.blocks:
@@ -200,12 +230,22 @@ def _pages(m: Module) -> Iterator[Problem]:
     width = sum(len(r) for r in p.selected)
     visible = (width - 1) * p.block_size + (n - (p.blocks - 1) * p.block_size)
     if visible != p.visible:
-        yield ("pages", 0), f"pages: visible is {p.visible}, the selected blocks hold {visible} prompt tokens"
+        yield (
+            ("pages", 0),
+            f"pages: visible is {p.visible}, the selected blocks hold {visible} prompt tokens",
+        )
     for i, k in enumerate(m.keep):
-        if len(k.tokens) and not any(r.start * p.block_size <= k.tokens.start and
-                                     k.tokens.end <= r.end * p.block_size for r in p.selected):
-            yield ("keep", i), (f"pages: kept tokens {k.tokens.start}..{k.tokens.end} lie outside "
-                                f"the selected blocks")
+        if len(k.tokens) and not any(
+            r.start * p.block_size <= k.tokens.start and k.tokens.end <= r.end * p.block_size
+            for r in p.selected
+        ):
+            yield (
+                ("keep", i),
+                (
+                    f"pages: kept tokens {k.tokens.start}..{k.tokens.end} lie outside "
+                    f"the selected blocks"
+                ),
+            )
     if not math.isfinite(p.retained) or abs(p.retained - round(visible / n, 6)) > 1e-12:
         yield ("pages", 0), f"pages: retained {p.retained} is not visible/tokens"
 
@@ -229,9 +269,18 @@ def _compact(m: Module) -> Iterator[Problem]:
     if not (0.0 <= fb.max_retained <= 1.0 and 0.0 <= fb.min_acceptance <= 1.0):
         yield ("fallback", 0), "fallback: max_retained and min_acceptance must lie in [0, 1]"
     if not 1 <= fb.acceptance_window <= 1_000_000:
-        yield ("fallback", 0), f"fallback: acceptance_window {fb.acceptance_window} outside 1..1000000"
-    if not all(math.isfinite(x) for x in (c.s, c.h, c.speedup)) or c.speedup <= 0 \
-            or not 0.0 <= c.h <= 1.0:
-        yield ("cost", 0), f"cost: speedup {c.speedup} must be positive, s and h finite, h in [0, 1]"
+        yield (
+            ("fallback", 0),
+            f"fallback: acceptance_window {fb.acceptance_window} outside 1..1000000",
+        )
+    if (
+        not all(math.isfinite(x) for x in (c.s, c.h, c.speedup))
+        or c.speedup <= 0
+        or not 0.0 <= c.h <= 1.0
+    ):
+        yield (
+            ("cost", 0),
+            f"cost: speedup {c.speedup} must be positive, s and h finite, h in [0, 1]",
+        )
     if not 1 <= c.batch <= MAX_BATCH or c.k != ver.k or c.weight_bytes < 0 or c.kv_bytes < 0:
         yield ("cost", 0), "cost: batch outside 1..65536, k unlike verify's, or negative bytes"

@@ -16,8 +16,12 @@ from kapc.errors import KapcError
 from kapc.models import DEFAULT_MODEL
 from kapc.policy import MAX_AUTO_K
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="Compile retrieval priors into runtime KV access plans, and run them.")
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="Compile retrieval priors into runtime KV access plans, and run them.",
+)
 schema_app = typer.Typer(no_args_is_help=True, help="Print JSON Schemas of kapc's input formats.")
 app.add_typer(schema_app, name="schema")
 
@@ -30,26 +34,44 @@ def _mount_frontend() -> None:
 
 _mount_frontend()
 
-PassesOpt = Annotated[str | None, typer.Option(
-    "--passes", help="Pipeline, e.g. 'ground,align-spans,select{budget-tokens=1024},"
-    "resolve-pages,compact' (default: the default pipeline, less what an input .kap already ran).")]
-ModelOpt = Annotated[str | None, typer.Option(
-    "--model", help="A model's name (smollm2-135m-instruct, the default; "
-    "qwen2.5-coder-0.5b-instruct; `kapc models` lists them) or a local Hugging Face folder.")]
-BlockSizeOpt = Annotated[int | None, typer.Option(
-    "--block-size", help="The target engine's KV block size (sets resolve-pages' block-size).")]
-EngineOpt = Annotated[str | None, typer.Option(
-    "--engine", help="Compile for this engine's block size: reference (16), vllm-cpu (32) or "
-    "vllm-gpu (16); --block-size wins.")]
+PassesOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--passes",
+        help="Pipeline, e.g. 'ground,align-spans,select{budget-tokens=1024},"
+        "resolve-pages,compact' (default: the default pipeline, less what an input .kap already ran).",
+    ),
+]
+ModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        help="A model's name (smollm2-135m-instruct, the default; "
+        "qwen2.5-coder-0.5b-instruct; `kapc models` lists them) or a local Hugging Face folder.",
+    ),
+]
+BlockSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--block-size", help="The target engine's KV block size (sets resolve-pages' block-size)."
+    ),
+]
+EngineOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--engine",
+        help="Compile for this engine's block size: reference (16), vllm-cpu (32) or "
+        "vllm-gpu (16); --block-size wins.",
+    ),
+]
 
 
 def _err(message: str) -> None:
     from rich.console import Console
 
-    Console(stderr=True, highlight=False).print(f"[bold red]kapc: error:[/] {message}", markup=True,
-                                                soft_wrap=True)
-
-
+    Console(stderr=True, highlight=False).print(
+        f"[bold red]kapc: error:[/] {message}", markup=True, soft_wrap=True
+    )
 
 
 @app.command("compile")
@@ -58,8 +80,12 @@ def compile_cmd(
     output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the .kapb plan.")],
     passes: PassesOpt = None,
     model: ModelOpt = None,
-    emit_kap: Annotated[Path | None, typer.Option(help="Also write the final IR as .kap text.")] = None,
-    check_roundtrip: Annotated[bool, typer.Option(help="Print and re-parse the IR after every pass.")] = False,
+    emit_kap: Annotated[
+        Path | None, typer.Option(help="Also write the final IR as .kap text.")
+    ] = None,
+    check_roundtrip: Annotated[
+        bool, typer.Option(help="Print and re-parse the IR after every pass.")
+    ] = False,
     block_size: BlockSizeOpt = None,
     engine: EngineOpt = None,
 ) -> None:
@@ -77,8 +103,9 @@ def compile_cmd(
     if emit_kap:
         check_output(emit_kap, "--emit-kap")
     ctx = CompileContext(model, engine=engine)
-    out = compile_module(input, passes, ctx, block_size_for(engine, block_size),
-                         roundtrip=check_roundtrip or None).module
+    out = compile_module(
+        input, passes, ctx, block_size_for(engine, block_size), roundtrip=check_roundtrip or None
+    ).module
     data = lower_module(out, ctx)
     if emit_kap:
         write_output(emit_kap, print_module(out), "--emit-kap")
@@ -86,9 +113,12 @@ def compile_cmd(
     p, c = out.pages, out.cost
     width = sum(len(r) for r in p.selected)
     verdict = "pays off" if c.pays else "predicted loss: the runtime will fall back to full context"
-    typer.echo(f"kapc: {output}: {out.kap.name}: {out.prompt.tokens} prompt tokens, {width}/{p.blocks} "
-               f"blocks of {p.block_size} (s = {p.retained:.3f}), k = {out.verify.k} "
-               f"{out.verify.accept}, predicted speedup {c.speedup:.2f}x ({verdict})", err=True)
+    typer.echo(
+        f"kapc: {output}: {out.kap.name}: {out.prompt.tokens} prompt tokens, {width}/{p.blocks} "
+        f"blocks of {p.block_size} (s = {p.retained:.3f}), k = {out.verify.k} "
+        f"{out.verify.accept}, predicted speedup {c.speedup:.2f}x ({verdict})",
+        err=True,
+    )
     if (warning := unmeasured_gain(c)) is not None:
         typer.echo(f"kapc: warning: {warning}", err=True)
 
@@ -98,10 +128,16 @@ def explain(
     input: Annotated[Path, typer.Argument(help="prior.json, or a .kap file from any stage.")],
     passes: PassesOpt = None,
     model: ModelOpt = None,
-    print_after: Annotated[list[str] | None, typer.Option(
-        "--print-after", help="Print the IR only after these passes (repeatable).")] = None,
-    full_text: Annotated[bool, typer.Option(
-        help="Print strings whole (each section then parses as .kap); default elides long text.")] = False,
+    print_after: Annotated[
+        list[str] | None,
+        typer.Option("--print-after", help="Print the IR only after these passes (repeatable)."),
+    ] = None,
+    full_text: Annotated[
+        bool,
+        typer.Option(
+            help="Print strings whole (each section then parses as .kap); default elides long text."
+        ),
+    ] = False,
     block_size: BlockSizeOpt = None,
     engine: EngineOpt = None,
 ) -> None:
@@ -115,16 +151,26 @@ def explain(
     wanted = set(print_after or [])
     unknown = wanted - set(PASSES)
     if unknown:
-        raise PipelineError(f"--print-after: unknown pass {excerpt(sorted(unknown)[0])} "
-                            f"(passes: {', '.join(PASSES)})")
+        raise PipelineError(
+            f"--print-after: unknown pass {excerpt(sorted(unknown)[0])} "
+            f"(passes: {', '.join(PASSES)})"
+        )
     bs = block_size_for(engine, block_size)
     build_pipeline(passes, bs)  # option errors before the input is read
     module = as_module(input)
     if not wanted:
         typer.echo(section("input", module, full_text))
-    compile_module(module, passes, CompileContext(model, engine=engine), bs, after_pass=lambda rec: (
-        typer.echo(section(rec.name, rec.module, full_text))
-        if not wanted or rec.name in wanted else None))
+    compile_module(
+        module,
+        passes,
+        CompileContext(model, engine=engine),
+        bs,
+        after_pass=lambda rec: (
+            typer.echo(section(rec.name, rec.module, full_text))
+            if not wanted or rec.name in wanted
+            else None
+        ),
+    )
 
 
 @app.command()
@@ -138,13 +184,24 @@ def inspect(
     p = read_plan(plan)
     h = p.header
     info = {
-        "file": str(plan), "format_version": p.format_version, "name": h.name,
-        "kapc_version": h.kapc_version, "model": h.model, "model_fingerprint": h.model_fingerprint,
-        "tokenizer_fingerprint": h.tokenizer_fingerprint, "prompt_tokens": h.prompt_tokens,
-        "prompt_hash": h.prompt_hash, "block_size": h.block_size,
-        "selected_blocks": p.selected_blocks.tolist(), "visible_prompt_tokens": h.visible_prompt_tokens,
-        "retained_ratio": h.retained_ratio, "padded_blocks": h.padded_blocks, "k": h.k,
-        "accept": h.accept, "access": _struct_dict(h.access), "fallback": _struct_dict(h.fallback),
+        "file": str(plan),
+        "format_version": p.format_version,
+        "name": h.name,
+        "kapc_version": h.kapc_version,
+        "model": h.model,
+        "model_fingerprint": h.model_fingerprint,
+        "tokenizer_fingerprint": h.tokenizer_fingerprint,
+        "prompt_tokens": h.prompt_tokens,
+        "prompt_hash": h.prompt_hash,
+        "block_size": h.block_size,
+        "selected_blocks": p.selected_blocks.tolist(),
+        "visible_prompt_tokens": h.visible_prompt_tokens,
+        "retained_ratio": h.retained_ratio,
+        "padded_blocks": h.padded_blocks,
+        "k": h.k,
+        "accept": h.accept,
+        "access": _struct_dict(h.access),
+        "fallback": _struct_dict(h.fallback),
         "cost": _struct_dict(h.cost),
     }
     if as_json:
@@ -181,7 +238,9 @@ def _ranges_text(blocks: list[int]) -> str:
 @app.command()
 def fmt(
     paths: Annotated[list[Path], typer.Argument(help=".kap files or folders holding them.")],
-    check: Annotated[bool, typer.Option(help="Only report files that are not canonical (exit 1).")] = False,
+    check: Annotated[
+        bool, typer.Option(help="Only report files that are not canonical (exit 1).")
+    ] = False,
 ) -> None:
     """Rewrite .kap files in canonical form (checking that they parse and are valid IR)."""
     from kapc.checker import check_module
@@ -213,12 +272,22 @@ def fmt(
 @app.command()
 def run(
     plan: Annotated[Path, typer.Argument(help="A .kapb plan.")],
-    accept: Annotated[str | None, typer.Option(help="greedy (lossless) or top3 (tolerant); default: the plan's.")] = None,
-    k: Annotated[int | None, typer.Option("--k", help="Proposal length; default: the plan's.")] = None,
+    accept: Annotated[
+        str | None, typer.Option(help="greedy (lossless) or top3 (tolerant); default: the plan's.")
+    ] = None,
+    k: Annotated[
+        int | None, typer.Option("--k", help="Proposal length; default: the plan's.")
+    ] = None,
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 128,
-    compare_full: Annotated[bool, typer.Option(help="Also decode with full context; report both.")] = False,
-    engine: Annotated[str, typer.Option(help="reference (PyTorch executor) or vllm.")] = "reference",
-    force: Annotated[bool, typer.Option(help="Run the plan even where the cost model predicts a loss.")] = False,
+    compare_full: Annotated[
+        bool, typer.Option(help="Also decode with full context; report both.")
+    ] = False,
+    engine: Annotated[
+        str, typer.Option(help="reference (PyTorch executor) or vllm.")
+    ] = "reference",
+    force: Annotated[
+        bool, typer.Option(help="Run the plan even where the cost model predicts a loss.")
+    ] = False,
     model: ModelOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
@@ -252,22 +321,46 @@ def serve(
     model: ModelOpt = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
-    k: Annotated[int, typer.Option("--k", help="Most tokens a plan proposes per cycle (plans choose theirs up to it).")] = MAX_AUTO_K,
-    block_size: Annotated[int | None, typer.Option(help="KV block size (default: 32 on CPU, 16 on a GPU).")] = None,
-    max_model_len: Annotated[int | None, typer.Option(help="Longest prompt plus output (default: the model's).")] = None,
-    kv_cache_gib: Annotated[float | None, typer.Option(help="KV cache size on a CPU (default: 4).")] = None,
-    hook: Annotated[bool, typer.Option(help="--no-hook: plain vLLM, the baseline to compare with.")] = True,
+    k: Annotated[
+        int,
+        typer.Option(
+            "--k", help="Most tokens a plan proposes per cycle (plans choose theirs up to it)."
+        ),
+    ] = MAX_AUTO_K,
+    block_size: Annotated[
+        int | None, typer.Option(help="KV block size (default: 32 on CPU, 16 on a GPU).")
+    ] = None,
+    max_model_len: Annotated[
+        int | None, typer.Option(help="Longest prompt plus output (default: the model's).")
+    ] = None,
+    kv_cache_gib: Annotated[
+        float | None, typer.Option(help="KV cache size on a CPU (default: 4).")
+    ] = None,
+    hook: Annotated[
+        bool, typer.Option(help="--no-hook: plain vLLM, the baseline to compare with.")
+    ] = True,
 ) -> None:
     """Serve the OpenAI-compatible API with kapc's plans (vLLM's server, kapc's hook). Options
     after the ones above pass through to vLLM's server (e.g. --max-num-seqs 32)."""
     from kapc.runtime.vllm.serve import serve as run_server
     from kapc.runtime.vllm.serve import server_command
 
-    cmd = server_command(model, host=host, port=port, k=k, block_size=block_size,
-                         max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, hook=hook,
-                         extra=tuple(ctx.args))
-    typer.echo(f"kapc serve: starting vLLM's server on {cmd.url} (model load and warm-up take "
-               f"a minute or two on a small CPU)", err=True)
+    cmd = server_command(
+        model,
+        host=host,
+        port=port,
+        k=k,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        kv_cache_gib=kv_cache_gib,
+        hook=hook,
+        extra=tuple(ctx.args),
+    )
+    typer.echo(
+        f"kapc serve: starting vLLM's server on {cmd.url} (model load and warm-up take "
+        f"a minute or two on a small CPU)",
+        err=True,
+    )
     code = run_server(cmd, echo=lambda line: typer.echo(line, err=True))
     if code:
         raise typer.Exit(code)
@@ -275,33 +368,71 @@ def serve(
 
 @app.command()
 def calibrate(
-    engine: Annotated[str, typer.Option(help="vllm (vllm-cpu here, vllm-gpu on a GPU) or reference.")] = "vllm",
-    contexts: Annotated[str, typer.Option(help="Context lengths to time, comma-separated.")] = "2048,4096,7936",
-    batches: Annotated[str, typer.Option(help="Batch sizes to time, comma-separated.")] = "1,4,8,16",
+    engine: Annotated[
+        str, typer.Option(help="vllm (vllm-cpu here, vllm-gpu on a GPU) or reference.")
+    ] = "vllm",
+    contexts: Annotated[
+        str, typer.Option(help="Context lengths to time, comma-separated.")
+    ] = "2048,4096,7936",
+    batches: Annotated[
+        str, typer.Option(help="Batch sizes to time, comma-separated.")
+    ] = "1,4,8,16",
     steps: Annotated[int, typer.Option(help="Decode steps (or cycles) timed per point.")] = 16,
-    acceptance_questions: Annotated[int, typer.Option(
-        help="HotpotQA calibration questions (dev 1000 on) for the acceptance model; 0: none.")] = 8,
-    acceptance_contexts: Annotated[str, typer.Option(
-        help="Context lengths the acceptance model is measured at, comma-separated (two 1.5x "
-             "apart or more fit how acceptance changes with length).")] = "4096,7936",
+    acceptance_questions: Annotated[
+        int,
+        typer.Option(
+            help="HotpotQA calibration questions (dev 1000 on) for the acceptance model; 0: none."
+        ),
+    ] = 8,
+    acceptance_contexts: Annotated[
+        str,
+        typer.Option(
+            help="Context lengths the acceptance model is measured at, comma-separated (two 1.5x "
+            "apart or more fit how acceptance changes with length)."
+        ),
+    ] = "4096,7936",
     block_size: BlockSizeOpt = None,
     model: ModelOpt = None,
-    dtype: Annotated[str | None, typer.Option(help="float32, bfloat16, ... (default: float32 on CPU, bfloat16 on a GPU).")] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(help="float32, bfloat16, ... (default: float32 on CPU, bfloat16 on a GPU)."),
+    ] = None,
     device: Annotated[str, typer.Option(help="reference engine: cpu or cuda.")] = "cpu",
-    threads: Annotated[int | None, typer.Option(help="reference engine: torch threads (default: torch's).")] = None,
-    quick: Annotated[bool, typer.Option(help="A small grid (2K/4K, batch 1/4, 8 steps, 2 questions).")] = False,
+    threads: Annotated[
+        int | None, typer.Option(help="reference engine: torch threads (default: torch's).")
+    ] = None,
+    quick: Annotated[
+        bool, typer.Option(help="A small grid (2K/4K, batch 1/4, 8 steps, 2 questions).")
+    ] = False,
     resume: Annotated[bool, typer.Option(help="Continue an interrupted calibration.")] = True,
-    only: Annotated[str | None, typer.Option(
-        help="Measure only these kinds of point again (comma-separated: plain, resting, cycle, "
-             "select, tolerant, acceptance; cycle times resting steps too), keeping the rest "
-             "of this engine's profile.")] = None,
-    show: Annotated[bool, typer.Option(help="Print the profiles found (or --profile) and exit.")] = False,
-    refit: Annotated[bool, typer.Option(
-        help="Fit the step models of the profiles found (or --profile) again from their own "
-             "samples, as this kapc fits them, and exit: measures nothing.")] = False,
-    profile: Annotated[Path | None, typer.Option(help="With --show or --refit: this profile file.")] = None,
-    plot: Annotated[Path | None, typer.Option(help="Write measured-against-fitted step times as PNG.")] = None,
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="Where to write the profile (default: the cache).")] = None,
+    only: Annotated[
+        str | None,
+        typer.Option(
+            help="Measure only these kinds of point again (comma-separated: plain, resting, cycle, "
+            "select, tolerant, acceptance; cycle times resting steps too), keeping the rest "
+            "of this engine's profile."
+        ),
+    ] = None,
+    show: Annotated[
+        bool, typer.Option(help="Print the profiles found (or --profile) and exit.")
+    ] = False,
+    refit: Annotated[
+        bool,
+        typer.Option(
+            help="Fit the step models of the profiles found (or --profile) again from their own "
+            "samples, as this kapc fits them, and exit: measures nothing."
+        ),
+    ] = False,
+    profile: Annotated[
+        Path | None, typer.Option(help="With --show or --refit: this profile file.")
+    ] = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="Write measured-against-fitted step times as PNG.")
+    ] = None,
+    output: Annotated[
+        Path | None,
+        typer.Option("-o", "--output", help="Where to write the profile (default: the cache)."),
+    ] = None,
 ) -> None:
     """Time decode steps on this machine and fit the cost model the compiler predicts with."""
     from kapc.profile import load_profile, profiles_dir
@@ -334,29 +465,49 @@ def calibrate(
         check_output(plot, "--plot")
     ints = lambda text, what: tuple(int(x) for x in text.split(",") if x.strip())  # noqa: E731
     try:
-        grid = Grid(contexts=ints(contexts, "contexts"), batches=ints(batches, "batches"),
-                    steps=steps, acceptance_questions=acceptance_questions,
-                    acceptance_contexts=ints(acceptance_contexts, "acceptance-contexts"))
+        grid = Grid(
+            contexts=ints(contexts, "contexts"),
+            batches=ints(batches, "batches"),
+            steps=steps,
+            acceptance_questions=acceptance_questions,
+            acceptance_contexts=ints(acceptance_contexts, "acceptance-contexts"),
+        )
     except ValueError:
-        raise KapcError("--contexts, --batches and --acceptance-contexts are comma-separated "
-                        "integers") from None
+        raise KapcError(
+            "--contexts, --batches and --acceptance-contexts are comma-separated integers"
+        ) from None
     if quick:
-        grid = Grid(contexts=(2048, 4096), batches=(1, 4), steps=8, acceptance_questions=2,
-                    pairs=((0.1, 3), (0.3, 5)), tolerant_pairs=((0.1, 3), (0.3, 5)),
-                    budgets=(0.1, 0.3), acceptance_tokens=48)
+        grid = Grid(
+            contexts=(2048, 4096),
+            batches=(1, 4),
+            steps=8,
+            acceptance_questions=2,
+            pairs=((0.1, 3), (0.3, 5)),
+            tolerant_pairs=((0.1, 3), (0.3, 5)),
+            budgets=(0.1, 0.3),
+            acceptance_tokens=48,
+        )
     if engine == "reference":
         from kapc.runtime.calibrate import ReferenceBench
         from kapc.runtime.model import load_model
 
-        bench = ReferenceBench(block_size=block_size or 16, max_context=grid.longest,
-                               max_batch=max(grid.batches), threads=threads,
-                               model=load_model(model, device=device, dtype=dtype))
+        bench = ReferenceBench(
+            block_size=block_size or 16,
+            max_context=grid.longest,
+            max_batch=max(grid.batches),
+            threads=threads,
+            model=load_model(model, device=device, dtype=dtype),
+        )
     elif engine in ("vllm", "vllm-cpu", "vllm-gpu"):
         from kapc.runtime.vllm.calibrate import VllmBench
 
-        bench = VllmBench(block_size=block_size or 32, max_context=grid.longest,
-                          max_batch=max(grid.batches + (len(grid.budgets),)), dtype=dtype,
-                          model_dir=model)
+        bench = VllmBench(
+            block_size=block_size or 32,
+            max_context=grid.longest,
+            max_batch=max(grid.batches + (len(grid.budgets),)),
+            dtype=dtype,
+            model_dir=model,
+        )
     else:
         raise KapcError(f"--engine must be vllm or reference, not {engine!r}")
     base = None
@@ -365,8 +516,9 @@ def calibrate(
 
         base = find_profile(bench.engine, bench.fingerprint)
         if base is None:
-            raise KapcError(f"--only: no {bench.engine} profile for this model yet; "
-                            f"run kapc calibrate first")
+            raise KapcError(
+                f"--only: no {bench.engine} profile for this model yet; run kapc calibrate first"
+            )
     prof, path = run(bench, grid, resume=resume, out=output, base=base, only=kinds)
     typer.echo(show_profile(prof))
     typer.echo(f"kapc: profile written to {path}", err=True)
@@ -376,10 +528,16 @@ def calibrate(
 
 @app.command("calibrate-proxy")
 def calibrate_proxy_cmd(
-    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the calibration (JSON).")],
-    questions: Annotated[int, typer.Option(help="HotpotQA calibration questions (dev 1000 on).")] = 4,
+    output: Annotated[
+        Path, typer.Option("-o", "--output", help="Where to write the calibration (JSON).")
+    ],
+    questions: Annotated[
+        int, typer.Option(help="HotpotQA calibration questions (dev 1000 on).")
+    ] = 4,
     context: Annotated[int, typer.Option(help="Prompt length in tokens.")] = 4096,
-    budget: Annotated[float, typer.Option(help="Retained ratio the dynamic choice may read.")] = 0.15,
+    budget: Annotated[
+        float, typer.Option(help="Retained ratio the dynamic choice may read.")
+    ] = 0.15,
     tokens: Annotated[int, typer.Option(help="Tokens decoded per question.")] = 32,
     block_size: BlockSizeOpt = None,
     model: ModelOpt = None,
@@ -393,9 +551,15 @@ def calibrate_proxy_cmd(
     check_output(output, "--output")
     if not 0.0 < budget <= 1.0 or questions < 1 or tokens < 2:
         raise KapcError("--budget lies in (0, 1]; --questions is at least 1, --tokens at least 2")
-    mix = calibrate_proxy(load_model(model), questions=questions, context=context, budget=budget,
-                          tokens=tokens, block_size=block_size or 16,
-                          progress=lambda msg: typer.echo(f"kapc: {msg}", err=True))
+    mix = calibrate_proxy(
+        load_model(model),
+        questions=questions,
+        context=context,
+        budget=budget,
+        tokens=tokens,
+        block_size=block_size or 16,
+        progress=lambda msg: typer.echo(f"kapc: {msg}", err=True),
+    )
     typer.echo("layer  es-in  es-mid  choice")
     for i, (a, b, c) in enumerate(zip(mix.overlap_in, mix.overlap_mid, mix.mix)):
         typer.echo(f"{i:>5}  {a:.3f}  {b:.3f}   {c}")
@@ -404,24 +568,65 @@ def calibrate_proxy_cmd(
 
 @app.command()
 def bench(
-    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for priors, results.jsonl, report.md and the plots; a sweep there resumes.")],
+    out: Annotated[
+        Path,
+        typer.Option(
+            "--out",
+            "-o",
+            help="Folder for priors, results.jsonl, report.md and the plots; a sweep there resumes.",
+        ),
+    ],
     questions: Annotated[int, typer.Option(help="Questions per dataset and length.")] = 8,
-    lengths: Annotated[str, typer.Option(help="Context lengths in tokens, comma-separated.")] = "1024,2048,4096,8192",
+    lengths: Annotated[
+        str, typer.Option(help="Context lengths in tokens, comma-separated.")
+    ] = "1024,2048,4096,8192",
     engine: Annotated[str, typer.Option(help="vllm or reference.")] = "vllm",
-    datasets: Annotated[str, typer.Option(help="hotpotqa, squad, or both comma-separated.")] = "hotpotqa",
-    workloads: Annotated[str, typer.Option(help="short, long, or both comma-separated.")] = "short,long",
-    methods: Annotated[str, typer.Option(help="Comma-separated, from full, kapc, kapc-top3, physical, random, window.")] = "full,kapc,kapc-top3,physical,random,window",
+    datasets: Annotated[
+        str, typer.Option(help="hotpotqa, squad, or both comma-separated.")
+    ] = "hotpotqa",
+    workloads: Annotated[
+        str, typer.Option(help="short, long, or both comma-separated.")
+    ] = "short,long",
+    methods: Annotated[
+        str,
+        typer.Option(help="Comma-separated, from full, kapc, kapc-top3, physical, random, window."),
+    ] = "full,kapc,kapc-top3,physical,random,window",
     batch: Annotated[int, typer.Option(help="Requests decoded together.")] = 8,
-    k: Annotated[str, typer.Option(help="The plans' proposal length, or auto (a calibration profile chooses).")] = "6",
+    k: Annotated[
+        str,
+        typer.Option(help="The plans' proposal length, or auto (a calibration profile chooses)."),
+    ] = "6",
     first: Annotated[int, typer.Option(help="First dev question.")] = 0,
     short_tokens: Annotated[int, typer.Option(help="Output cap of the short workload.")] = 32,
-    long_tokens: Annotated[int, typer.Option(help="Output cap of the long workload (it decodes to EOS).")] = 160,
-    ttft_samples: Annotated[int, typer.Option(help="Questions per length timed cold for time to first token; 0: none.")] = 2,
-    baseline: Annotated[str, typer.Option(help="plain: full context and the prompt baselines on a plain engine; shared: on the hook's engine (one prefill less).")] = "plain",
-    as_planned: Annotated[bool, typer.Option(help="Honour the plans' fallback rules (default: every plan runs, so it is measured).")] = False,
-    round_questions: Annotated[int, typer.Option("--round", help="Questions every method decodes before the next round starts (the report is written after each).")] = 32,
+    long_tokens: Annotated[
+        int, typer.Option(help="Output cap of the long workload (it decodes to EOS).")
+    ] = 160,
+    ttft_samples: Annotated[
+        int, typer.Option(help="Questions per length timed cold for time to first token; 0: none.")
+    ] = 2,
+    baseline: Annotated[
+        str,
+        typer.Option(
+            help="plain: full context and the prompt baselines on a plain engine; shared: on the hook's engine (one prefill less)."
+        ),
+    ] = "plain",
+    as_planned: Annotated[
+        bool,
+        typer.Option(
+            help="Honour the plans' fallback rules (default: every plan runs, so it is measured)."
+        ),
+    ] = False,
+    round_questions: Annotated[
+        int,
+        typer.Option(
+            "--round",
+            help="Questions every method decodes before the next round starts (the report is written after each).",
+        ),
+    ] = 32,
     model: ModelOpt = None,
-    report_only: Annotated[bool, typer.Option(help="Only write the tables and plots from the rows already in --out.")] = False,
+    report_only: Annotated[
+        bool, typer.Option(help="Only write the tables and plots from the rows already in --out.")
+    ] = False,
 ) -> None:
     """Measure answer quality and decode speed of kapc's plans against full context and the prompt baselines."""
     from kapc.bench import BenchConfig, run_sweep
@@ -439,12 +644,25 @@ def bench(
         lens = tuple(int(x) for x in csv(lengths))
     except ValueError:
         raise KapcError(f"--lengths is comma-separated integers, not {lengths!r}") from None
-    cfg = BenchConfig(out=out, questions=questions, first=first, lengths=lens,
-                      datasets=csv(datasets), workloads=csv(workloads), methods=csv(methods),
-                      engine=engine, baseline=baseline, batch=batch, k=k,
-                      short_tokens=short_tokens, long_tokens=long_tokens,
-                      ttft_samples=ttft_samples, as_planned=as_planned,
-                      round_questions=round_questions, model=model or DEFAULT_MODEL)
+    cfg = BenchConfig(
+        out=out,
+        questions=questions,
+        first=first,
+        lengths=lens,
+        datasets=csv(datasets),
+        workloads=csv(workloads),
+        methods=csv(methods),
+        engine=engine,
+        baseline=baseline,
+        batch=batch,
+        k=k,
+        short_tokens=short_tokens,
+        long_tokens=long_tokens,
+        ttft_samples=ttft_samples,
+        as_planned=as_planned,
+        round_questions=round_questions,
+        model=model or DEFAULT_MODEL,
+    )
     path = run_sweep(cfg)
     typer.echo(path.read_text())
     typer.echo(f"kapc: report written to {path}", err=True)
@@ -452,8 +670,12 @@ def bench(
 
 @app.command()
 def models(
-    prepare: Annotated[str | None, typer.Option(
-        help="Convert this model now (tokenizer, config and weights) instead of at first use.")] = None,
+    prepare: Annotated[
+        str | None,
+        typer.Option(
+            help="Convert this model now (tokenizer, config and weights) instead of at first use."
+        ),
+    ] = None,
 ) -> None:
     """List the models kapc knows by name, and where each is cached."""
     from kapc import models as registry
@@ -463,11 +685,18 @@ def models(
         typer.echo(f"kapc: {prepare} is ready in {path}", err=True)
     for name, src in registry.MODELS.items():
         folder = registry.model_dir(name)
-        state = ("converted" if (folder / "weights.ok").exists() else
-                 "tokenizer only" if (folder / "tokenizer.ok").exists() else "not converted yet")
+        state = (
+            "converted"
+            if (folder / "weights.ok").exists()
+            else "tokenizer only"
+            if (folder / "tokenizer.ok").exists()
+            else "not converted yet"
+        )
         default = " (default)" if name == DEFAULT_MODEL else ""
-        typer.echo(f"{name}{default}\n  {src.title}; weights stored in {src.weights_dtype}\n"
-                   f"  packages: {', '.join(r for r, _ in src.parts)}\n  {folder}: {state}")
+        typer.echo(
+            f"{name}{default}\n  {src.title}; weights stored in {src.weights_dtype}\n"
+            f"  packages: {', '.join(r for r, _ in src.parts)}\n  {folder}: {state}"
+        )
 
 
 @schema_app.command("prior")
@@ -513,8 +742,10 @@ def main() -> None:
             sys.exit(exc.exit_code)
         if settings.debug():
             raise
-        _err(f"internal error: {type(exc).__name__}: {exc} (set KAPC_DEBUG=1 for the traceback, "
-             f"and please report it)")
+        _err(
+            f"internal error: {type(exc).__name__}: {exc} (set KAPC_DEBUG=1 for the traceback, "
+            f"and please report it)"
+        )
         sys.exit(70)
 
 

@@ -45,10 +45,13 @@ def chat_messages(prior: Prior | str | Path) -> list[dict]:
     it)."""
     p = _prior(prior)
     if p.request.messages is None:
-        raise ClientError(f"prior {p.name!r} has a raw request: send `prompt_text(prior)` to the "
-                          f"completions API instead of chat messages")
-    return [{"role": m.role, "content": "".join(s.text for s in m.segments)}
-            for m in p.request.messages]
+        raise ClientError(
+            f"prior {p.name!r} has a raw request: send `prompt_text(prior)` to the "
+            f"completions API instead of chat messages"
+        )
+    return [
+        {"role": m.role, "content": "".join(s.text for s in m.segments)} for m in p.request.messages
+    ]
 
 
 def prompt_text(prior: Prior | str | Path) -> str:
@@ -59,8 +62,13 @@ def prompt_text(prior: Prior | str | Path) -> str:
     return "".join(s.text for s in p.request.raw)
 
 
-def plan_xargs(*, prior: Prior | str | Path | None = None, kapb: bytes | str | Path | None = None,
-               tag: str | None = None, accept: str | None = None) -> dict:
+def plan_xargs(
+    *,
+    prior: Prior | str | Path | None = None,
+    kapb: bytes | str | Path | None = None,
+    tag: str | None = None,
+    accept: str | None = None,
+) -> dict:
     """The `vllm_xargs` of a request that carries its prior (compiled by the server, cached by
     content) or a compiled `.kapb` (bytes or a path); `tag` names its statistics; `accept`
     overrides the plan's acceptance rule ("greedy", lossless, or "top3", tolerant)."""
@@ -93,8 +101,9 @@ def request_stats(base_url: str, tag: str, timeout: float = 10.0) -> dict:
                 return json.loads(r.read())
         except urllib.error.HTTPError as exc:
             if exc.code != 404 or time.monotonic() > deadline:
-                raise ClientError(f"{url}: {exc.code} {exc.read().decode(errors='replace')}") \
-                    from None
+                raise ClientError(
+                    f"{url}: {exc.code} {exc.read().decode(errors='replace')}"
+                ) from None
         time.sleep(0.2)
 
 

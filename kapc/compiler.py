@@ -42,9 +42,13 @@ def as_module(source: Prior | Module | str | Path) -> Module:
     return module_from_prior(load_prior(path))
 
 
-def compile_module(source: Prior | Module | str | Path, passes: str | None = None,
-                   ctx: CompileContext | None = None, block_size: int | None = None,
-                   **run_options) -> PipelineResult:
+def compile_module(
+    source: Prior | Module | str | Path,
+    passes: str | None = None,
+    ctx: CompileContext | None = None,
+    block_size: int | None = None,
+    **run_options,
+) -> PipelineResult:
     """Run `passes` (default: the default pipeline less what already ran) over `source`.
     `block_size` sets `resolve-pages`' block size (the target engine's KV block size)."""
     pipeline = build_pipeline(passes, block_size)
@@ -63,20 +67,29 @@ def build_pipeline(passes: str | None, block_size: int | None = None) -> list[Pa
     pipeline = parse_pipeline(passes) if passes else None
     if pipeline is not None and block_size is not None:
         for p in pipeline:
-            if isinstance(p, ResolvePages) and "block-size=" in p.options_text() \
-                    and p.block_size != block_size:
-                raise PipelineError(f"--block-size {block_size} contradicts "
-                                    f"resolve-pages{{block-size={p.block_size}}} in --passes")
+            if (
+                isinstance(p, ResolvePages)
+                and "block-size=" in p.options_text()
+                and p.block_size != block_size
+            ):
+                raise PipelineError(
+                    f"--block-size {block_size} contradicts "
+                    f"resolve-pages{{block-size={p.block_size}}} in --passes"
+                )
     return pipeline
 
 
 def _with_block_size(pipeline: list[Pass], module: Module, block_size: int) -> list[Pass]:
     if module.pages is not None and module.pages.block_size != block_size:
-        raise PipelineError(f"module {module.kap.name!r} already has pages of block size "
-                            f"{module.pages.block_size}; compile from a stage before "
-                            f"resolve-pages to get block size {block_size}")
-    return [dataclasses.replace(p, block_size=block_size) if isinstance(p, ResolvePages) else p
-            for p in pipeline]
+        raise PipelineError(
+            f"module {module.kap.name!r} already has pages of block size "
+            f"{module.pages.block_size}; compile from a stage before "
+            f"resolve-pages to get block size {block_size}"
+        )
+    return [
+        dataclasses.replace(p, block_size=block_size) if isinstance(p, ResolvePages) else p
+        for p in pipeline
+    ]
 
 
 def block_size_for(engine: str | None, block_size: int | None) -> int | None:
@@ -84,13 +97,18 @@ def block_size_for(engine: str | None, block_size: int | None) -> int | None:
     if engine is None:
         return block_size
     if engine not in ENGINE_BLOCK_SIZE:
-        raise PipelineError(f"--engine must be one of {', '.join(ENGINE_BLOCK_SIZE)}, "
-                            f"not {excerpt(engine)}")
+        raise PipelineError(
+            f"--engine must be one of {', '.join(ENGINE_BLOCK_SIZE)}, not {excerpt(engine)}"
+        )
     return block_size if block_size is not None else ENGINE_BLOCK_SIZE[engine]
 
 
-def compile_to_kapb(source: Prior | Module | str | Path, passes: str | None = None,
-                    ctx: CompileContext | None = None, block_size: int | None = None,
-                    **run_options) -> bytes:
+def compile_to_kapb(
+    source: Prior | Module | str | Path,
+    passes: str | None = None,
+    ctx: CompileContext | None = None,
+    block_size: int | None = None,
+    **run_options,
+) -> bytes:
     ctx = ctx or CompileContext()
     return lower_module(compile_module(source, passes, ctx, block_size, **run_options).module, ctx)

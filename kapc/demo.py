@@ -35,24 +35,41 @@ def run_kapc(*args: str, show: bool = True) -> str:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m kapc.demo", description="kapc's main job, end to end")
-    ap.add_argument("--model", default=None, help="a registered model's name or a Hugging Face "
-                    "folder (default: smollm2-135m-instruct)")
+    ap = argparse.ArgumentParser(
+        prog="python -m kapc.demo", description="kapc's main job, end to end"
+    )
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a registered model's name or a Hugging Face folder (default: smollm2-135m-instruct)",
+    )
     args = ap.parse_args(argv)
     model = ("--model", args.model) if args.model else ()
     index = os.environ.get("KAPC_DEMO_INDEX", "3")
     OUT.mkdir(parents=True, exist_ok=True)
     prior, plan = OUT / "prior.json", OUT / "plan.kapb"
-    run_kapc("prior", "hotpotqa", "--index", index, "--context-tokens", "1024", "-o", str(prior),
-             *model)
+    run_kapc(
+        "prior", "hotpotqa", "--index", index, "--context-tokens", "1024", "-o", str(prior), *model
+    )
     # At 1K tokens and batch 1, SmolLM2's weights dominate the bytes each step reads, so the cost
     # model predicts no gain and a runtime would fall back; the demo says so, then runs the plan
     # anyway (on-predicted-loss=false) to show the mechanism and the lossless law.
-    pipeline = ("ground,align-spans,select{budget-ratio=0.3},resolve-pages,"
-                "compact{k=4,on-predicted-loss=false}")
+    pipeline = (
+        "ground,align-spans,select{budget-ratio=0.3},resolve-pages,"
+        "compact{k=4,on-predicted-loss=false}"
+    )
     run_kapc("explain", str(prior), "--passes", pipeline, "--print-after", "compact", *model)
-    run_kapc("compile", str(prior), "-o", str(plan), "--passes", pipeline, "--emit-kap",
-             str(OUT / "plan.kap"), *model)
+    run_kapc(
+        "compile",
+        str(prior),
+        "-o",
+        str(plan),
+        "--passes",
+        pipeline,
+        "--emit-kap",
+        str(OUT / "plan.kap"),
+        *model,
+    )
     run_kapc("inspect", str(plan))
     run_kapc("run", str(plan), "--max-tokens", "48", "--compare-full", *model)
 

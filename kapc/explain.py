@@ -43,22 +43,31 @@ def prompt_view(module: Module) -> list[str]:
     lines = _table(f"prompt: {module.prompt.tokens} tokens", rows)
     if module.select is not None:
         kept = union(k.tokens for k in module.keep)
-        lines.append(f"# select: {module.select.kept} of {module.prompt.tokens} tokens kept "
-                     f"({module.select.mandatory} mandatory), budget {module.select.budget}; "
-                     f"kept ranges " + " ".join(f"{r.start}..{r.end}" for r in kept))
+        lines.append(
+            f"# select: {module.select.kept} of {module.prompt.tokens} tokens kept "
+            f"({module.select.mandatory} mandatory), budget {module.select.budget}; "
+            f"kept ranges " + " ".join(f"{r.start}..{r.end}" for r in kept)
+        )
         sep = module.select.separation
         if sep is not None:
             floor = module.fallback.min_separation if module.fallback is not None else None
-            lines.append(f"# select: the priors set the kept passages {sep:.3f} above the dropped "
-                         f"(mean prior)" + ("" if floor is None else
-                                            f"; under {floor:.3f} the runtime decodes with the "
-                                            f"full context (prior confidence)"
-                                            + (": this plan does" if sep < floor else "")))
+            lines.append(
+                f"# select: the priors set the kept passages {sep:.3f} above the dropped "
+                f"(mean prior)"
+                + (
+                    ""
+                    if floor is None
+                    else f"; under {floor:.3f} the runtime decodes with the "
+                    f"full context (prior confidence)" + (": this plan does" if sep < floor else "")
+                )
+            )
     if module.pages is not None:
         p = module.pages
         width = sum(len(r) for r in p.selected)
-        lines.append(f"# pages: {width} of {p.blocks} blocks of {p.block_size} tokens, "
-                     f"{p.visible} visible tokens, s = {p.retained:.3f}; map: {_block_map(module)}")
+        lines.append(
+            f"# pages: {width} of {p.blocks} blocks of {p.block_size} tokens, "
+            f"{p.visible} visible tokens, s = {p.retained:.3f}; map: {_block_map(module)}"
+        )
     if module.cost is not None:
         lines += cost_view(module)
     return lines
@@ -70,11 +79,13 @@ def unmeasured_gain(cost) -> str | None:
     it for a measurement. None when the prediction is measured, or is a loss."""
     if cost.basis != "memory-bound" or not cost.pays:
         return None
-    return (f"the predicted {cost.speedup:.2f}x is the paper's memory-bound model, not a "
-            "measurement: on CPUs it predicts gains where plans decode slower than full context "
-            "(docs/cost-model.md). Run `kapc calibrate` once on this machine and compile with "
-            "--engine, so the plan predicts from measured step times and the vLLM hook decides "
-            "each step from them")
+    return (
+        f"the predicted {cost.speedup:.2f}x is the paper's memory-bound model, not a "
+        "measurement: on CPUs it predicts gains where plans decode slower than full context "
+        "(docs/cost-model.md). Run `kapc calibrate` once on this machine and compile with "
+        "--engine, so the plan predicts from measured step times and the vLLM hook decides "
+        "each step from them"
+    )
 
 
 def length_gist(pays_from: int) -> str:
@@ -87,29 +98,45 @@ def length_gist(pays_from: int) -> str:
 def cost_view(module: Module) -> list[str]:
     """What the cost model predicts, and what would change its mind."""
     c = module.cost
-    verdict = "pays off" if c.pays else "predicted loss: runtime falls back to full context" \
-        if module.fallback.on_predicted_loss else "predicted loss"
+    verdict = (
+        "pays off"
+        if c.pays
+        else "predicted loss: runtime falls back to full context"
+        if module.fallback.on_predicted_loss
+        else "predicted loss"
+    )
     p = f" p={c.p:.3f} ->" if c.p is not None else ""
     # a query-aware proposal reads its access budget, not the plan's pages: the cost is of that
     a = module.access
     s, of = (c.s, "") if a is None or a.mode == "static" else (a.budget, f" ({a.mode} view)")
-    lines = [f"# cost ({c.basis}): k={c.k}{p} h={c.h:.3f}, h - s = {c.h - s:.3f}{of}, "
-             f"batch={c.batch}"
-             f" -> predicted speedup {c.speedup:.3f}x ({verdict})"]
+    lines = [
+        f"# cost ({c.basis}): k={c.k}{p} h={c.h:.3f}, h - s = {c.h - s:.3f}{of}, "
+        f"batch={c.batch}"
+        f" -> predicted speedup {c.speedup:.3f}x ({verdict})"
+    ]
     floor = module.fallback.min_acceptance
     if c.break_even is not None:
-        why = f"the runtime stops drafting below {floor:.3f}" if c.basis != "memory-bound" else \
-            f"the runtime's floor stays {floor:.3f} (only a measured profile sets it to break-even)"
-        lines.append(f"# cost: breaks even at acceptance h = {c.break_even:.3f} for s = {s:.3f}"
-                     f" and k = {c.k}; {why}")
+        why = (
+            f"the runtime stops drafting below {floor:.3f}"
+            if c.basis != "memory-bound"
+            else f"the runtime's floor stays {floor:.3f} (only a measured profile sets it to break-even)"
+        )
+        lines.append(
+            f"# cost: breaks even at acceptance h = {c.break_even:.3f} for s = {s:.3f}"
+            f" and k = {c.k}; {why}"
+        )
     elif c.by_k:
         lines.append(f"# cost: no acceptance makes this plan pay at k = {c.k}")
     if c.pays_from is not None:
-        lines.append(f"# cost: {length_gist(c.pays_from)} at s = {s:.3f}, k = {c.k}, batch = "
-                     f"{c.batch} (the paper's KV_crit; this prompt: {module.prompt.tokens:,})")
+        lines.append(
+            f"# cost: {length_gist(c.pays_from)} at s = {s:.3f}, k = {c.k}, batch = "
+            f"{c.batch} (the paper's KV_crit; this prompt: {module.prompt.tokens:,})"
+        )
     if c.by_k:
-        lines.append("# cost: predicted speedup by k: " + "  ".join(
-            f"{k}:{v:.2f}" + ("*" if k == c.k else "") for k, v in enumerate(c.by_k, 1)))
+        lines.append(
+            "# cost: predicted speedup by k: "
+            + "  ".join(f"{k}:{v:.2f}" + ("*" if k == c.k else "") for k, v in enumerate(c.by_k, 1))
+        )
     return lines
 
 
@@ -123,7 +150,7 @@ def _block_map(module: Module, width: int = 64) -> str:
     group = max(1, -(-p.blocks // width))
     out = []
     for i in range(0, p.blocks, group):
-        part = chosen[i:i + group]
+        part = chosen[i : i + group]
         out.append("#" if all(part) else "+" if any(part) else ".")
     return "".join(out)
 

@@ -28,8 +28,9 @@ def read_input(path: str | Path, what: str = "input", limit: int = MAX_INPUT_BYT
     except OSError as exc:
         raise FileError(f"{path}: cannot read: {exc.strerror or exc}") from None
     if len(data) > limit:
-        raise FileError(f"{path}: larger than the {limit >> 20} MiB a {what} may be "
-                        f"(docs/limits.md)")
+        raise FileError(
+            f"{path}: larger than the {limit >> 20} MiB a {what} may be (docs/limits.md)"
+        )
     return data
 
 
@@ -52,8 +53,9 @@ def check_output(path: str | Path, option: str) -> Path:
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise FileError(f"{option} {path}: the directory {parent} is not writable "
-                        f"({exc.strerror or exc})") from None
+        raise FileError(
+            f"{option} {path}: the directory {parent} is not writable ({exc.strerror or exc})"
+        ) from None
     return path
 
 
@@ -64,8 +66,9 @@ def write_output(path: str | Path, data: bytes | str, option: str = "output") ->
     payload = data.encode("utf-8") if isinstance(data, str) else data
     fd, tmp = None, None
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".",
-                                   prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(
+            dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp"
+        )
         with os.fdopen(fd, "wb") as f:
             fd = None
             f.write(payload)
@@ -81,17 +84,23 @@ def write_output(path: str | Path, data: bytes | str, option: str = "output") ->
 
 
 _UTF8_BOM = b"\xef\xbb\xbf"
-_OTHER_BOMS = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32",
-               b"\xff\xfe": "UTF-16", b"\xfe\xff": "UTF-16"}
+_OTHER_BOMS = {
+    b"\xff\xfe\x00\x00": "UTF-32",
+    b"\x00\x00\xfe\xff": "UTF-32",
+    b"\xff\xfe": "UTF-16",
+    b"\xfe\xff": "UTF-16",
+}
 
 
 def without_bom(data: bytes) -> bytes:
     """`data` less a UTF-8 byte-order mark (some editors write one); raises FileError (no
     path: the caller's message adds it) for text in UTF-16 or UTF-32, which kapc does not read."""
     if data.startswith(_UTF8_BOM):
-        return data[len(_UTF8_BOM):]
+        return data[len(_UTF8_BOM) :]
     for bom, name in _OTHER_BOMS.items():
         if data.startswith(bom):
-            raise FileError(f"the text is {name} (it starts with the byte-order mark "
-                            f"{bom.hex(' ').upper()}); save it as UTF-8")
+            raise FileError(
+                f"the text is {name} (it starts with the byte-order mark "
+                f"{bom.hex(' ').upper()}); save it as UTF-8"
+            )
     return data

@@ -25,16 +25,32 @@ def module_from_prior(prior: Prior) -> ir.Module:
     if req.messages is not None:
         for m, msg in enumerate(req.messages):
             for seg in msg.segments:
-                segments.append(ir.Segment(id=seg_id(seg), message=m, role=msg.role, kind=seg.kind,
-                                           title=seg.title, text=seg.text))
+                segments.append(
+                    ir.Segment(
+                        id=seg_id(seg),
+                        message=m,
+                        role=msg.role,
+                        kind=seg.kind,
+                        title=seg.title,
+                        text=seg.text,
+                    )
+                )
     else:
         for seg in req.raw or []:
-            segments.append(ir.Segment(id=seg_id(seg), kind=seg.kind, title=seg.title, text=seg.text))
+            segments.append(
+                ir.Segment(id=seg_id(seg), kind=seg.kind, title=seg.title, text=seg.text)
+            )
 
     units = tuple(
-        ir.Unit(id=u.id, kind=u.kind, segment=u.segment, text=u.text,
-                anchors=tuple(ir.Anchor(a.segment, a.start, a.end) for a in u.anchors),
-                scores=dict(u.scores))
-        for u in prior.units)
+        ir.Unit(
+            id=u.id,
+            kind=u.kind,
+            segment=u.segment,
+            text=u.text,
+            anchors=tuple(ir.Anchor(a.segment, a.start, a.end) for a in u.anchors),
+            scores=dict(u.scores),
+        )
+        for u in prior.units
+    )
     header = ir.Header(name=prior.name, request="chat" if req.messages is not None else "raw")
     return ir.Module(kap=header, segment=tuple(segments), unit=units)

@@ -194,7 +194,9 @@ class Cost(Node, kw_only=True):
     pays: bool
     p: float | None = None  # per-draft acceptance the prediction assumes (h follows from p and k)
     basis: str = "memory-bound"  # or the calibration profile's key
-    break_even: float | None = None  # the acceptance rate h at which the plan neither gains nor loses
+    break_even: float | None = (
+        None  # the acceptance rate h at which the plan neither gains nor loses
+    )
     by_k: tuple[float, ...] = ()  # predicted speedup at k = 1, 2, ...
     # the paper's KV_crit as a length: the shortest prompt (tokens) from which a plan of this s,
     # acceptance, k and batch pays; 0 where it pays at no length up to the model's positions,
@@ -233,8 +235,11 @@ def _statement_table() -> dict[str, tuple[type[Node], bool]]:
     table = {}
     for name, hint in typing.get_type_hints(Module).items():
         many = typing.get_origin(hint) is tuple
-        cls = next(a for a in typing.get_args(hint) if isinstance(a, type) and issubclass(a, Node)) \
-            if typing.get_args(hint) else hint
+        cls = (
+            next(a for a in typing.get_args(hint) if isinstance(a, type) and issubclass(a, Node))
+            if typing.get_args(hint)
+            else hint
+        )
         table[name] = (cls, many)
     return table
 

@@ -5,7 +5,9 @@ gets a clear error instead of a hang, an out-of-memory kill or a crash in a nati
 
 from __future__ import annotations
 
-MAX_PROMPT_TOKENS = 1 << 22  # a plan's prompt: 4M tokens (16 MiB of ids; the longest contexts are 1-2M)
+MAX_PROMPT_TOKENS = (
+    1 << 22
+)  # a plan's prompt: 4M tokens (16 MiB of ids; the longest contexts are 1-2M)
 MAX_BLOCK_SIZE = 1 << 16  # a KV page, in tokens
 MAX_K = 64  # proposal length
 MAX_BATCH = 1 << 16  # the batch size the cost model is told about

@@ -38,17 +38,20 @@ class EnginePlan:
     room_gib: float  # free for the KV cache beside the weights and the engine's own overhead
 
     def describe(self) -> str:
-        return (f"KV cache {self.kv_cache_gib} GiB (the batch wants {self.wanted_gib:.1f}, one "
-                f"longest sequence {self.needed_gib:.2f}); weights {self.weights_gib:.1f} GiB; "
-                f"{self.room_gib:.1f} GiB free for the cache")
+        return (
+            f"KV cache {self.kv_cache_gib} GiB (the batch wants {self.wanted_gib:.1f}, one "
+            f"longest sequence {self.needed_gib:.2f}); weights {self.weights_gib:.1f} GiB; "
+            f"{self.room_gib:.1f} GiB free for the cache"
+        )
 
 
 def dtype_bytes(dtype: str) -> int:
     try:
         return DTYPE_BYTES[str(dtype).replace("torch.", "")]
     except KeyError:
-        raise EngineMemoryError(f"unknown dtype {dtype!r}; give one of "
-                                f"{', '.join(DTYPE_BYTES)}") from None
+        raise EngineMemoryError(
+            f"unknown dtype {dtype!r}; give one of {', '.join(DTYPE_BYTES)}"
+        ) from None
 
 
 def kv_bytes_per_token(assets: ModelAssets, dtype: str) -> int:
@@ -64,9 +67,16 @@ def weight_bytes(assets: ModelAssets, dtype: str, draft_copies: bool = False) ->
     return n
 
 
-def size_engine(assets: ModelAssets, dtype: str, max_model_len: int, max_num_seqs: int,
-                available_bytes: int, draft_copies: bool = False,
-                requested_gib: float | None = None, what: str = "the engine") -> EnginePlan:
+def size_engine(
+    assets: ModelAssets,
+    dtype: str,
+    max_model_len: int,
+    max_num_seqs: int,
+    available_bytes: int,
+    draft_copies: bool = False,
+    requested_gib: float | None = None,
+    what: str = "the engine",
+) -> EnginePlan:
     """The KV cache for `max_num_seqs` sequences of `max_model_len` tokens, within the memory
     available (`available_bytes`, what this machine has free now, other engines already
     counted). `requested_gib` (a user's --kv-cache-gib) is checked, not replaced."""
@@ -78,17 +88,22 @@ def size_engine(assets: ModelAssets, dtype: str, max_model_len: int, max_num_seq
     gib = max(1, math.ceil(requested_gib if requested_gib is not None else wanted))
     if requested_gib is None and gib > room:
         gib = max(1, math.floor(room))  # fewer sequences at once: vLLM queues the rest
-    plan = EnginePlan(kv_cache_gib=gib, wanted_gib=wanted, needed_gib=needed,
-                      weights_gib=weights, room_gib=room)
+    plan = EnginePlan(
+        kv_cache_gib=gib, wanted_gib=wanted, needed_gib=needed, weights_gib=weights, room_gib=room
+    )
     if gib > room or needed > gib:
-        why = (f"a {gib} GiB KV cache does not fit in the {max(room, 0):.1f} GiB left" if gib > room
-               else f"one sequence of {max_model_len:,} tokens needs {needed:.2f} GiB of KV cache "
-                    f"and only {max(room, 0):.1f} GiB is left")
+        why = (
+            f"a {gib} GiB KV cache does not fit in the {max(room, 0):.1f} GiB left"
+            if gib > room
+            else f"one sequence of {max_model_len:,} tokens needs {needed:.2f} GiB of KV cache "
+            f"and only {max(room, 0):.1f} GiB is left"
+        )
         raise EngineMemoryError(
             f"{what} cannot start on {assets.name} in {dtype}: {why} ({available_bytes / GIB:.1f} "
             f"GiB free on this machine, less {weights:.1f} GiB of weights and "
             f"{ENGINE_OVERHEAD_GIB:.0f} GiB for the engine itself). Use a shorter context, a "
-            f"smaller batch, fewer engines at once, or a machine with more memory")
+            f"smaller batch, fewer engines at once, or a machine with more memory"
+        )
     return plan
 
 

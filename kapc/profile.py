@@ -109,8 +109,9 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def key(self) -> str:
-        return profile_key(self.engine, self.model_fingerprint, self.dtype, self.device,
-                           self.threads)
+        return profile_key(
+            self.engine, self.model_fingerprint, self.dtype, self.device, self.threads
+        )
 
     @property
     def longest_verify(self) -> int:
@@ -122,8 +123,12 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
         """This profile with each named kind's step model multiplied by its factor (kinds not
         named keep theirs): the runtime's view of it once it has timed its own steps
         (kapc.policy.StepClock)."""
-        fits = {kind: msgspec.structs.replace(fit, coef=tuple(c * factors[kind] for c in fit.coef))
-                if kind in factors else fit for kind, fit in self.fits.items()}
+        fits = {
+            kind: msgspec.structs.replace(fit, coef=tuple(c * factors[kind] for c in fit.coef))
+            if kind in factors
+            else fit
+            for kind, fit in self.fits.items()
+        }
         return msgspec.structs.replace(self, fits=fits)
 
     def acceptance_fit(self, rule: str, mode: str = "static") -> AcceptanceFit | None:
@@ -158,17 +163,28 @@ def feature_values(batch: float, query: float, visible: float) -> dict[str, floa
     """The step-time features of `batch` rows of `query` tokens over `visible` context tokens:
     each is a sum over rows (B rows, B*q query tokens, B*V context tokens, B*q*V) but sqrtBV,
     √B*V (KV read at a per-row cost that falls with the batch)."""
-    return {"1": 1.0, "B": batch, "Bq": batch * query, "BV": batch * visible,
-            "BqV": batch * query * visible, "sqrtBV": math.sqrt(batch) * visible}
+    return {
+        "1": 1.0,
+        "B": batch,
+        "Bq": batch * query,
+        "BV": batch * visible,
+        "BqV": batch * query * visible,
+        "sqrtBV": math.sqrt(batch) * visible,
+    }
 
 
 def rows_features(queries, contexts) -> dict[str, float]:
     """`feature_values` of a step whose rows differ in query tokens and context: each feature
     summed over the rows, and sqrtBV as √B times their mean context."""
     B, V = len(contexts), float(sum(contexts))
-    return {"1": 1.0, "B": float(B), "Bq": float(sum(queries)), "BV": V,
-            "BqV": float(sum(q * v for q, v in zip(queries, contexts))),
-            "sqrtBV": V / math.sqrt(B) if B else 0.0}
+    return {
+        "1": 1.0,
+        "B": float(B),
+        "Bq": float(sum(queries)),
+        "BV": V,
+        "BqV": float(sum(q * v for q, v in zip(queries, contexts))),
+        "sqrtBV": V / math.sqrt(B) if B else 0.0,
+    }
 
 
 def profile_key(engine: str, fingerprint: str, dtype: str, device: str, threads: int) -> str:
@@ -202,9 +218,10 @@ def fit_steps(samples: list[StepSample]) -> dict[str, StepFit]:
         scale[scale == 0] = 1.0
         coef, _ = nnls((X / scale) / y[:, None], np.ones_like(y))
         coef = coef / scale
-        rel = float(np.sqrt(np.mean(((X @ coef) - y) ** 2 / y ** 2)))
-        fits[kind] = StepFit(features=names, coef=tuple(float(c) for c in coef), rel_error=rel,
-                             samples=len(rows))
+        rel = float(np.sqrt(np.mean(((X @ coef) - y) ** 2 / y**2)))
+        fits[kind] = StepFit(
+            features=names, coef=tuple(float(c) for c in coef), rel_error=rel, samples=len(rows)
+        )
     return fits
 
 
@@ -212,8 +229,9 @@ def refitted(profile: Profile) -> Profile:
     """`profile` with its step models fitted again from its own samples, as this version of kapc
     fits them (`FEATURES`): a profile measured before a feature was added gains it without
     timing anything again. A kind with too few samples to fit keeps the fit it had."""
-    return msgspec.structs.replace(profile, fits={**profile.fits,
-                                                  **fit_steps(list(profile.samples))})
+    return msgspec.structs.replace(
+        profile, fits={**profile.fits, **fit_steps(list(profile.samples))}
+    )
 
 
 def fit_acceptance(points: list[tuple[float, int, float, int]]) -> AcceptanceFit | None:
@@ -223,8 +241,9 @@ def fit_acceptance(points: list[tuple[float, int, float, int]]) -> AcceptanceFit
     if len({round(s, 3) for s, _, _, _ in pts}) < 2:
         return None
     eps = 1e-3
-    logit = [math.log(min(max(p, eps), 1 - eps) / (1 - min(max(p, eps), 1 - eps)))
-             for _, _, p, _ in pts]
+    logit = [
+        math.log(min(max(p, eps), 1 - eps) / (1 - min(max(p, eps), 1 - eps))) for _, _, p, _ in pts
+    ]
     cols = [np.ones(len(pts)), np.array([math.log(s) for s, _, _, _ in pts])]
     # a context term only across context lengths: prompts of one nominal length differ by a few
     # percent, from which a slope extrapolates to nonsense (top-3 p at 8K fitted as 0.00 from
@@ -236,9 +255,12 @@ def fit_acceptance(points: list[tuple[float, int, float, int]]) -> AcceptanceFit
     w = np.sqrt(np.array([n for *_, n in pts], dtype=np.float64))
     A = np.stack(cols, axis=1) * w[:, None]
     coef, *_ = np.linalg.lstsq(A, np.array(logit) * w, rcond=None)
-    return AcceptanceFit(a=float(coef[0]), b=float(coef[1]),
-                         c=float(coef[2]) if with_l else 0.0,
-                         points=tuple((float(s), int(L), float(p), int(n)) for s, L, p, n in pts))
+    return AcceptanceFit(
+        a=float(coef[0]),
+        b=float(coef[1]),
+        c=float(coef[2]) if with_l else 0.0,
+        points=tuple((float(s), int(L), float(p), int(n)) for s, L, p, n in pts),
+    )
 
 
 def now() -> str:
@@ -266,8 +288,10 @@ def load_profile(path: str | Path) -> Profile:
     except msgspec.DecodeError as exc:
         raise ProfileError(f"{path}: not a kapc profile: {exc}") from None
     if profile.version != PROFILE_VERSION:
-        raise ProfileError(f"{path}: profile version {profile.version}, this kapc reads "
-                           f"{PROFILE_VERSION}; run kapc calibrate again")
+        raise ProfileError(
+            f"{path}: profile version {profile.version}, this kapc reads "
+            f"{PROFILE_VERSION}; run kapc calibrate again"
+        )
     return profile
 
 

@@ -80,12 +80,15 @@ def render(module: Module, assets: ModelAssets) -> RenderedPrompt:
         msg["content"] = "".join(seg.text for seg in segs)
     try:
         text = _template(assets.chat_template).render(
-            messages=messages, add_generation_prompt=True, **assets.special)
+            messages=messages, add_generation_prompt=True, **assets.special
+        )
     except PromptError:
         raise
     except Exception as exc:  # noqa: BLE001 - a broken template fails in any way jinja can
-        raise PromptError(f"the chat template of {assets.name} fails: {type(exc).__name__}: "
-                          f"{excerpt(str(exc), 200)}") from None
+        raise PromptError(
+            f"the chat template of {assets.name} fails: {type(exc).__name__}: "
+            f"{excerpt(str(exc), 200)}"
+        ) from None
 
     # Find each message's content in the rendered text, in order; a template that rewrites content
     # (strips it, say) would make character spans meaningless, so that is an error.
@@ -93,8 +96,10 @@ def render(module: Module, assets: ModelAssets) -> RenderedPrompt:
     for msg, segs in zip(messages, owners):
         at = text.find(msg["content"], cursor)
         if at < 0:
-            raise PromptError(f"the chat template of {assets.name} changes the content of a "
-                              f"{msg['role']} message, so passage spans cannot be located")
+            raise PromptError(
+                f"the chat template of {assets.name} changes the content of a "
+                f"{msg['role']} message, so passage spans cannot be located"
+            )
         pos = at
         for seg in segs:
             chars[seg.id] = (pos, pos + len(seg.text))
@@ -111,9 +116,12 @@ def _template(source: str):
     def raise_exception(message):
         raise PromptError(f"chat template: {message}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, indent=indent, ensure_ascii=False)
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(
+        x, indent=indent, ensure_ascii=False
+    )
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     return env.from_string(source)
@@ -126,8 +134,9 @@ def _tokenizer(tokenizer_json: bytes):
     try:
         return Tokenizer.from_str(tokenizer_json.decode("utf-8"))
     except Exception as exc:  # noqa: BLE001 - tokenizers raises its own untyped errors
-        raise PromptError(f"the model's tokenizer.json cannot be loaded: {excerpt(str(exc), 200)}") \
-            from None
+        raise PromptError(
+            f"the model's tokenizer.json cannot be loaded: {excerpt(str(exc), 200)}"
+        ) from None
 
 
 class Tokenization:
@@ -144,9 +153,13 @@ class Tokenization:
         key = (text, add_special_tokens)
         hit = self._memo.get(key)
         if hit is None:
-            enc = _tokenizer(self.assets.tokenizer_json).encode(text, add_special_tokens=add_special_tokens)
+            enc = _tokenizer(self.assets.tokenizer_json).encode(
+                text, add_special_tokens=add_special_tokens
+            )
             offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
-            hit = Tokens(np.asarray(enc.ids, dtype=np.int32), offsets[:, 0].copy(), offsets[:, 1].copy())
+            hit = Tokens(
+                np.asarray(enc.ids, dtype=np.int32), offsets[:, 0].copy(), offsets[:, 1].copy()
+            )
             if len(self._memo) > 16:
                 self._memo.clear()
             self._memo[key] = hit
@@ -164,15 +177,20 @@ class Tokenization:
             raise PromptError(
                 f"the rendered prompt is {len(rendered.text):,} characters; {self.assets.name} "
                 f"holds {self.assets.context_tokens():,} tokens of at most "
-                f"{self.assets.max_token_chars} characters each, so at most {limit:,} characters fit")
+                f"{self.assets.max_token_chars} characters each, so at most {limit:,} characters fit"
+            )
         try:
             rendered.text.encode("utf-8")
         except UnicodeEncodeError as exc:
-            seg = next((sid for sid, (a, b) in rendered.segment_chars.items() if a <= exc.start < b),
-                       None)
-            raise PromptError(f"the prompt holds a lone surrogate (U+{ord(rendered.text[exc.start]):04X})"
-                              + (f" in segment %{seg}" if seg else "") + "; text must be Unicode "
-                              "characters") from None
+            seg = next(
+                (sid for sid, (a, b) in rendered.segment_chars.items() if a <= exc.start < b), None
+            )
+            raise PromptError(
+                f"the prompt holds a lone surrogate (U+{ord(rendered.text[exc.start]):04X})"
+                + (f" in segment %{seg}" if seg else "")
+                + "; text must be Unicode "
+                "characters"
+            ) from None
         # A chat template already writes every special token it wants; raw prompts get the
         # tokenizer's own (BOS, if it adds one), as Hugging Face does for plain text.
         return rendered, self(rendered.text, add_special_tokens=module.kap.request == "raw")

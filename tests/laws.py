@@ -10,7 +10,7 @@ def ranks_under_full_context(hf_model, prompt_ids, tokens) -> list[int]:
 
     ids = torch.tensor([list(prompt_ids) + list(tokens)], dtype=torch.long)
     with torch.inference_mode():
-        logits = hf_model(ids).logits[0, len(prompt_ids) - 1: len(prompt_ids) - 1 + len(tokens)]
+        logits = hf_model(ids).logits[0, len(prompt_ids) - 1 : len(prompt_ids) - 1 + len(tokens)]
     t = torch.tensor(list(tokens), dtype=torch.long)
     chosen = logits.gather(1, t[:, None])
     return (logits > chosen).sum(-1).tolist()

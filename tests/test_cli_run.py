@@ -16,14 +16,32 @@ runner = CliRunner()
 def test_run_json_compare_full(tmp_path):
     plan = tmp_path / "plan.kapb"
     prior = EXAMPLES / "hotpotqa" / "q0000-700.prior.json"
-    r = runner.invoke(app, ["compile", str(prior), "-o", str(plan), "--passes",
-                            "ground,align-spans,select{budget-ratio=0.3},resolve-pages,compact{k=4}"])
+    r = runner.invoke(
+        app,
+        [
+            "compile",
+            str(prior),
+            "-o",
+            str(plan),
+            "--passes",
+            "ground,align-spans,select{budget-ratio=0.3},resolve-pages,compact{k=4}",
+        ],
+    )
     assert r.exit_code == 0, r.output
-    r = runner.invoke(app, ["run", str(plan), "--max-tokens", "12", "--compare-full", "--force", "--json"])
+    r = runner.invoke(
+        app, ["run", str(plan), "--max-tokens", "12", "--compare-full", "--force", "--json"]
+    )
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
-    for key in ("text", "retained_ratio", "acceptance_rate", "tokens_per_cycle", "speedup_predicted",
-                "identical_to_full", "speedup_measured"):
+    for key in (
+        "text",
+        "retained_ratio",
+        "acceptance_rate",
+        "tokens_per_cycle",
+        "speedup_predicted",
+        "identical_to_full",
+        "speedup_measured",
+    ):
         assert key in out, key
     assert out["identical_to_full"] is True and out["text"]
     assert out["mode"] == "plan"

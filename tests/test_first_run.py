@@ -18,8 +18,9 @@ pytestmark = pytest.mark.model
 
 def kapc(*args: str, cache) -> subprocess.CompletedProcess:
     env = dict(os.environ, KAPC_CACHE_DIR=str(cache))
-    return subprocess.run([sys.executable, "-m", "kapc", *args], capture_output=True, text=True,
-                          env=env, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "kapc", *args], capture_output=True, text=True, env=env, timeout=600
+    )
 
 
 def test_compile_then_run_from_an_empty_cache(tmp_path):

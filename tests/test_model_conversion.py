@@ -25,10 +25,12 @@ def test_reading_the_gguf_once_from_memory_reads_what_gguf_reads():
     assert not isinstance(fast.data, np.memmap) and again.fields is fast.fields  # parsed once
     assert list(fast.fields) == list(plain.fields)
     tokens = plain.fields["tokenizer.ggml.tokens"]
-    assert [bytes(tokens.parts[i]) for i in tokens.data[:50]] == \
-        [bytes(fast.fields["tokenizer.ggml.tokens"].parts[i]) for i in tokens.data[:50]]
-    assert [(t.name, t.tensor_type, bytes(t.data)) for t in plain.tensors[:5]] == \
-        [(t.name, t.tensor_type, bytes(t.data)) for t in fast.tensors[:5]]
+    assert [bytes(tokens.parts[i]) for i in tokens.data[:50]] == [
+        bytes(fast.fields["tokenizer.ggml.tokens"].parts[i]) for i in tokens.data[:50]
+    ]
+    assert [(t.name, t.tensor_type, bytes(t.data)) for t in plain.tensors[:5]] == [
+        (t.name, t.tensor_type, bytes(t.data)) for t in fast.tensors[:5]
+    ]
     # outside the conversion, gguf is itself again
     assert isinstance(gguf.GGUFReader(path).data, np.memmap)
     assert gguf.get_tensor_name_map(arch, blocks) is not gguf.get_tensor_name_map(arch, blocks)
@@ -36,7 +38,8 @@ def test_reading_the_gguf_once_from_memory_reads_what_gguf_reads():
 
 
 def test_a_conversion_started_in_the_background_is_waited_for_not_repeated(
-        tmp_path, monkeypatch, capfd):
+    tmp_path, monkeypatch, capfd
+):
     from kapc import models
 
     monkeypatch.setenv("KAPC_CACHE_DIR", str(tmp_path))

@@ -18,8 +18,10 @@ NAMES = list(models.MODELS)
 
 
 def _messages(prior, system: bool):
-    msgs = [{"role": m.role, "content": "".join(s.text for s in m.segments)}
-            for m in prior.request.messages]
+    msgs = [
+        {"role": m.role, "content": "".join(s.text for s in m.segments)}
+        for m in prior.request.messages
+    ]
     return msgs if system else [m for m in msgs if m["role"] != "system"]
 
 
@@ -39,8 +41,10 @@ def test_compiler_and_frontend_render_and_tokenize_as_the_models_own_template(na
 
     prior = decode_prior(PRIOR.read_bytes())
     if not system:
-        prior = msgspec.structs.replace(prior, request=Request(
-            messages=[m for m in prior.request.messages if m.role != "system"]))
+        prior = msgspec.structs.replace(
+            prior,
+            request=Request(messages=[m for m in prior.request.messages if m.role != "system"]),
+        )
     ctx = CompileContext(name)
     hf = AutoTokenizer.from_pretrained(str(ctx.assets.path))
     messages = _messages(prior, system)
@@ -63,7 +67,9 @@ def test_the_registered_models_differ_in_what_plans_record():
     assert {a.context_tokens(), b.context_tokens()} == {8192, 32768}
     qwen = models.load_assets(models.LONG_CONTEXT_MODEL)
     # 24 layers x K and V x 2 KV heads x 64
-    assert qwen.kv_elements_per_token() == 24 * 2 * 2 * 64 and qwen.name == models.LONG_CONTEXT_MODEL
+    assert (
+        qwen.kv_elements_per_token() == 24 * 2 * 2 * 64 and qwen.name == models.LONG_CONTEXT_MODEL
+    )
     # a folder and its registered name are one model
     assert models.load_assets(str(qwen.path)).fingerprint == qwen.fingerprint
 
@@ -78,17 +84,30 @@ def test_a_plan_compiled_for_one_model_is_refused_by_the_other():
     assert plan.header.model == models.LONG_CONTEXT_MODEL
     with pytest.raises(PlanMismatch, match="another model"):
         check_plan_matches(plan, model_fingerprint=smol.fingerprint)
-    check_plan_matches(plan, model_fingerprint=qwen.fingerprint,
-                       tokenizer_fingerprint=qwen.tokenizer_fingerprint)
+    check_plan_matches(
+        plan, model_fingerprint=qwen.fingerprint, tokenizer_fingerprint=qwen.tokenizer_fingerprint
+    )
 
 
 def test_an_unknown_name_is_refused_naming_the_known_ones(tmp_path):
     import subprocess
     import sys
 
-    res = subprocess.run([sys.executable, "-m", "kapc", "compile", str(PRIOR), "-o",
-                          str(tmp_path / "p.kapb"), "--model", "llama-9000"],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kapc",
+            "compile",
+            str(PRIOR),
+            "-o",
+            str(tmp_path / "p.kapb"),
+            "--model",
+            "llama-9000",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 1 and not (tmp_path / "p.kapb").exists()
     out = res.stderr
     assert "llama-9000" in out and all(n in out for n in NAMES) and "Traceback" not in out
@@ -105,10 +124,17 @@ def _fake_model(tmp_path, monkeypatch, parts: list[bytes], size: int):
         (site / package / "data" / f"p{i}.bin").write_bytes(data)
     monkeypatch.syspath_prepend(str(site))
     src = models.ModelSource(
-        name="fake", title="fake", parts=tuple((f"kapc-fake-part{i}==1", f"{package}/data/p{i}.bin")
-                                               for i in range(len(parts))),
-        architecture="LlamaForCausalLM", model_type="llama", positions=128,
-        weights_dtype="float32", size=size)
+        name="fake",
+        title="fake",
+        parts=tuple(
+            (f"kapc-fake-part{i}==1", f"{package}/data/p{i}.bin") for i in range(len(parts))
+        ),
+        architecture="LlamaForCausalLM",
+        model_type="llama",
+        positions=128,
+        weights_dtype="float32",
+        size=size,
+    )
     monkeypatch.setitem(models.MODELS, "fake", src)
     monkeypatch.setenv("KAPC_CACHE_DIR", str(tmp_path / "cache"))
 
@@ -176,6 +202,7 @@ def test_an_engine_is_sized_for_its_batch_and_refused_where_one_sequence_cannot_
 
 
 # ---- lengths ---------------------------------------------------------------------------------
+
 
 def test_a_context_past_the_models_positions_is_refused_not_cut(tmp_path):
     from kapc.bench.run import BenchConfig, BenchError

@@ -30,8 +30,10 @@ INSTRUCTION = "Answer the question using the passages."
 # with its explanation, decoded to EOS (what a user of a RAG service pays for).
 WORKLOADS = {
     "short": "Answer in a few words.",
-    "long": ("Answer the question, then explain in two or three sentences how the passages "
-             "support the answer."),
+    "long": (
+        "Answer the question, then explain in two or three sentences how the passages "
+        "support the answer."
+    ),
 }
 ASK_ROOM = 32  # tokens kept free for the longest ask
 
@@ -64,8 +66,13 @@ def prior_path(out: Path, key: CaseKey) -> Path:
     return Path(out) / "priors" / key.dataset / f"{key.index}-{key.length}.json"
 
 
-def build_prior(key: CaseKey, context_tokens: int, frontend: str = "graph",
-                model: str | None = None, chunk: tuple[int, ...] = ()) -> Prior:
+def build_prior(
+    key: CaseKey,
+    context_tokens: int,
+    frontend: str = "graph",
+    model: str | None = None,
+    chunk: tuple[int, ...] = (),
+) -> Prior:
     """The frontend's prior for one case, its own time in `meta["bench"]`. A shared-document
     case reads the document of its batch's questions (`chunk`)."""
     from kapc.frontend.hybrid import score_request
@@ -74,13 +81,15 @@ def build_prior(key: CaseKey, context_tokens: int, frontend: str = "graph",
     t0 = time.perf_counter()
     if key.dataset == "hotpotqa-shared":
         lc = _shared_document(tuple(chunk or (key.index,)), context_tokens, model)[
-            (chunk or (key.index,)).index(key.index)]
+            (chunk or (key.index,)).index(key.index)
+        ]
     else:
         build = build_hotpotqa if key.dataset == "hotpotqa" else build_squad
         lc = build(key.index, context_tokens, instruction=INSTRUCTION, model=model)
     meta = dict(lc.meta(), bench={"length": key.length, "context_tokens": context_tokens})
-    prior = score_request(lc.request, f"{key.dataset}-{lc.question_id}-{key.length}", frontend,
-                          meta=meta)
+    prior = score_request(
+        lc.request, f"{key.dataset}-{lc.question_id}-{key.length}", frontend, meta=meta
+    )
     prior.meta["bench"]["frontend_s"] = round(time.perf_counter() - t0, 4)
     return prior
 
@@ -92,9 +101,14 @@ def _shared_document(chunk: tuple[int, ...], context_tokens: int, model: str | N
     return build_hotpotqa_shared(chunk, context_tokens, instruction=INSTRUCTION, model=model)
 
 
-def build_priors(out: Path, keys: list[CaseKey], context_tokens: dict[int, int],
-                 frontend: str = "graph", model: str | None = None,
-                 chunks: dict[tuple[str, int], tuple[int, ...]] | None = None) -> int:
+def build_priors(
+    out: Path,
+    keys: list[CaseKey],
+    context_tokens: dict[int, int],
+    frontend: str = "graph",
+    model: str | None = None,
+    chunks: dict[tuple[str, int], tuple[int, ...]] | None = None,
+) -> int:
     """Build and save every missing prior (run in a process of its own: the frontend's libraries
     must not share a process with an in-process vLLM engine). `chunks`: each shared-document
     case's batch of questions. Returns how many were built."""
@@ -102,8 +116,13 @@ def build_priors(out: Path, keys: list[CaseKey], context_tokens: dict[int, int],
 
     missing = [k for k in keys if not prior_path(out, k).exists()]
     for key in steps(missing, "kapc bench: frontend: prior", lambda k: k.name):
-        prior = build_prior(key, context_tokens[key.length], frontend, model,
-                            (chunks or {}).get((key.dataset, key.index), ()))
+        prior = build_prior(
+            key,
+            context_tokens[key.length],
+            frontend,
+            model,
+            (chunks or {}).get((key.dataset, key.index), ()),
+        )
         path = prior_path(out, key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -125,26 +144,37 @@ def for_workload(prior: Prior, workload: str) -> Prior:
     def seg(s: Segment) -> Segment:
         return msgspec.structs.replace(s, text=f"{s.text}\n{ask}") if s.kind == "question" else s
 
-    msgs = [msgspec.structs.replace(m, segments=[seg(s) for s in m.segments])
-            for m in prior.request.messages or []]
-    return msgspec.structs.replace(prior, name=f"{prior.name}-{workload}",
-                                   request=Request(messages=msgs))
+    msgs = [
+        msgspec.structs.replace(m, segments=[seg(s) for s in m.segments])
+        for m in prior.request.messages or []
+    ]
+    return msgspec.structs.replace(
+        prior, name=f"{prior.name}-{workload}", request=Request(messages=msgs)
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # The paper's prompt-materialisation baselines: shorter prompts, decoded normally.
 
+
 def _parts(prior: Prior) -> tuple[list[Segment], list[Segment], Segment]:
     """(system segments, passage segments in prompt order, the question segment)."""
     system = [s for m in prior.request.messages if m.role == "system" for s in m.segments]
     user = [s for m in prior.request.messages if m.role == "user" for s in m.segments]
-    return system, [s for s in user if s.kind == "passage"], next(s for s in user
-                                                                  if s.kind == "question")
+    return (
+        system,
+        [s for s in user if s.kind == "passage"],
+        next(s for s in user if s.kind == "question"),
+    )
 
 
 def _request(system: list[Segment], passages: list[Segment], question: Segment) -> Request:
-    return Request(messages=[Message(role="system", segments=system),
-                             Message(role="user", segments=[*passages, question])])
+    return Request(
+        messages=[
+            Message(role="system", segments=system),
+            Message(role="user", segments=[*passages, question]),
+        ]
+    )
 
 
 def physical_concat(prior: Prior, kept_ids: list[str]) -> Request:
@@ -172,8 +202,11 @@ def random_concat(prior: Prior, budget: int, seed: str, model: str | None = None
             chosen.append(i)
             total += n
     # a passage's count in context can differ from its count alone by a token at the seams
-    while chosen and pt.request_tokens(
-            _request(system, [passages[i] for i in sorted(chosen)], question)) > budget:
+    while (
+        chosen
+        and pt.request_tokens(_request(system, [passages[i] for i in sorted(chosen)], question))
+        > budget
+    ):
         chosen.pop()
     return _request(system, [passages[i] for i in sorted(chosen)], question)
 
@@ -193,7 +226,7 @@ def local_window(prior: Prior, budget: int, model: str | None = None) -> Request
         if room >= len(ids):
             text = context
         else:
-            head, tail = ids[:room // 2], ids[len(ids) - (room - room // 2):]
+            head, tail = ids[: room // 2], ids[len(ids) - (room - room // 2) :]
             text = pt.tokenizer.decode(head) + "\n...\n" + pt.tokenizer.decode(tail) + "\n\n"
         req = _request(system, [Segment(text=text, kind="passage", id="w0")], question)
         if pt.request_tokens(req) <= budget:

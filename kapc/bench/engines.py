@@ -41,30 +41,66 @@ class BatchRun:
 class VllmEngine:
     """One vLLM engine (`kind` "plain" or "kapc"), started in this process."""
 
-    def __init__(self, kind: str, block_size: int, max_model_len: int, batch: int, k: int,
-                 kv_cache_gib: float | None = None, model: str | None = None):
+    def __init__(
+        self,
+        kind: str,
+        block_size: int,
+        max_model_len: int,
+        batch: int,
+        k: int,
+        kv_cache_gib: float | None = None,
+        model: str | None = None,
+    ):
         from kapc.runtime.vllm import make_engine
 
         self.kind = kind
-        self.eng = make_engine(model, block_size=block_size, k=k,
-                               method="kapc" if kind == "kapc" else "none",
-                               max_model_len=max_model_len, max_num_seqs=batch,
-                               kv_cache_gib=kv_cache_gib, in_process=True)
+        self.eng = make_engine(
+            model,
+            block_size=block_size,
+            k=k,
+            method="kapc" if kind == "kapc" else "none",
+            max_model_len=max_model_len,
+            max_num_seqs=batch,
+            kv_cache_gib=kv_cache_gib,
+            in_process=True,
+        )
 
-    def decode(self, prompts: list[list[int]], plans: list | None, max_tokens: int,
-               accept: str | None = None, honor: bool = False) -> BatchRun:
+    def decode(
+        self,
+        prompts: list[list[int]],
+        plans: list | None,
+        max_tokens: int,
+        accept: str | None = None,
+        honor: bool = False,
+    ) -> BatchRun:
         from kapc.runtime.vllm import generate
 
         t0 = time.perf_counter()
         generate(self.eng, prompts, None, max_tokens=1)  # prefill into the prefix cache
         prefill = time.perf_counter() - t0
-        res = generate(self.eng, prompts, plans, max_tokens=max_tokens, accept=accept,
-                       honor_predicted_loss=honor, min_acceptance=honor)
-        outs = [Output(tokens=r["tokens"], text=r["text"],
-                       finish="eos" if r["finish_reason"] == "stop" else r["finish_reason"],
-                       status=r["status"], reason=r["reason"], s=r["retained_ratio"],
-                       proposed=r["proposed"], accepted=r["accepted"], cycles=r["cycles"])
-                for r in res]
+        res = generate(
+            self.eng,
+            prompts,
+            plans,
+            max_tokens=max_tokens,
+            accept=accept,
+            honor_predicted_loss=honor,
+            min_acceptance=honor,
+        )
+        outs = [
+            Output(
+                tokens=r["tokens"],
+                text=r["text"],
+                finish="eos" if r["finish_reason"] == "stop" else r["finish_reason"],
+                status=r["status"],
+                reason=r["reason"],
+                s=r["retained_ratio"],
+                proposed=r["proposed"],
+                accepted=r["accepted"],
+                cycles=r["cycles"],
+            )
+            for r in res
+        ]
         return BatchRun(outs, decode_s=res[0]["batch_s"], prefill_s=prefill)
 
     def ttft(self, prompt: list[int], plan=None) -> float:
@@ -74,8 +110,13 @@ class VllmEngine:
 
         self.eng.llm.reset_prefix_cache()
         t0 = time.perf_counter()
-        generate(self.eng, [prompt], None if plan is None else [plan], max_tokens=1,
-                 honor_predicted_loss=False)
+        generate(
+            self.eng,
+            [prompt],
+            None if plan is None else [plan],
+            max_tokens=1,
+            honor_predicted_loss=False,
+        )
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -85,8 +126,16 @@ class VllmEngine:
 class ReferenceEngine:
     """kapc's reference executor (plain PyTorch over a paged KV cache)."""
 
-    def __init__(self, kind: str, block_size: int, max_model_len: int, batch: int, k: int,
-                 kv_cache_gib: float | None = None, model: str | None = None):
+    def __init__(
+        self,
+        kind: str,
+        block_size: int,
+        max_model_len: int,
+        batch: int,
+        k: int,
+        kv_cache_gib: float | None = None,
+        model: str | None = None,
+    ):
         from kapc.runtime.executor import Executor
         from kapc.runtime.model import load_model
 
@@ -99,16 +148,29 @@ class ReferenceEngine:
 
         self.ex.honor_predicted_loss = honor
         plans = [_loaded(p) for p in plans or [None] * len(prompts)]
-        res, stats = self.ex.generate([Request(p, plan=pl, max_tokens=max_tokens, accept=accept)
-                                       for p, pl in zip(prompts, plans)])
+        res, stats = self.ex.generate(
+            [
+                Request(p, plan=pl, max_tokens=max_tokens, accept=accept)
+                for p, pl in zip(prompts, plans)
+            ]
+        )
         tok = self.model.tokenizer
-        outs = [Output(tokens=list(r.tokens), text=tok.decode(r.tokens, skip_special_tokens=True),
-                       finish=r.finish_reason,
-                       status="none" if pl is None else
-                       ("plan" if r.mode == "plan" and not r.fallback_reason else "fallback"),
-                       reason=r.fallback_reason, s=r.retained_ratio, proposed=r.proposed,
-                       accepted=r.accepted, cycles=r.cycles)
-                for r, pl in zip(res, plans)]
+        outs = [
+            Output(
+                tokens=list(r.tokens),
+                text=tok.decode(r.tokens, skip_special_tokens=True),
+                finish=r.finish_reason,
+                status="none"
+                if pl is None
+                else ("plan" if r.mode == "plan" and not r.fallback_reason else "fallback"),
+                reason=r.fallback_reason,
+                s=r.retained_ratio,
+                proposed=r.proposed,
+                accepted=r.accepted,
+                cycles=r.cycles,
+            )
+            for r, pl in zip(res, plans)
+        ]
         return BatchRun(outs, decode_s=stats.decode_s, prefill_s=stats.prefill_s)
 
     def ttft(self, prompt, plan=None) -> float:

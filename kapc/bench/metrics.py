@@ -85,14 +85,19 @@ def agreement(tokens: Sequence[int], reference: Sequence[int]) -> dict:
         if a != b:
             break
         n += 1
-    return {"identical": list(tokens) == list(reference),
-            "prefix": n / len(reference) if reference else float(not tokens),
-            "token_f1": token_f1(list(tokens), list(reference))}
+    return {
+        "identical": list(tokens) == list(reference),
+        "prefix": n / len(reference) if reference else float(not tokens),
+        "token_f1": token_f1(list(tokens), list(reference)),
+    }
 
 
 def answer_scores(prediction: str, golds: Sequence[str]) -> dict:
-    return {"em": exact_match(prediction, golds), "f1": f1(prediction, golds),
-            "contains": contains_answer(prediction, golds)}
+    return {
+        "em": exact_match(prediction, golds),
+        "f1": f1(prediction, golds),
+        "contains": contains_answer(prediction, golds),
+    }
 
 
 class Judge:
@@ -108,8 +113,9 @@ class Judge:
     def _embed(self, texts: list[str]):
         new = [t for t in dict.fromkeys(texts) if t not in self._memo]
         if new:
-            vecs = self._model.encode(new, normalize_embeddings=True, convert_to_numpy=True,
-                                      show_progress_bar=False)
+            vecs = self._model.encode(
+                new, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
+            )
             self._memo.update(zip(new, vecs))
         return [self._memo[t] for t in texts]
 

@@ -37,8 +37,11 @@ def score(out: Path) -> int:
 
     path = Path(out) / SIMILARITY
     memo = json.loads(path.read_text()) if path.exists() else {}
-    todo = [p for p in dict.fromkeys(_pairs(read_rows(Path(out) / RESULTS).values()))
-            if _pair_key(*p) not in memo]
+    todo = [
+        p
+        for p in dict.fromkeys(_pairs(read_rows(Path(out) / RESULTS).values()))
+        if _pair_key(*p) not in memo
+    ]
     if not todo:
         return 0
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
@@ -58,8 +61,11 @@ def scored_rows(out: Path) -> list[dict]:
     rows = read_rows(Path(out) / RESULTS)
     path = Path(out) / SIMILARITY
     memo = json.loads(path.read_text()) if path.exists() else {}
-    full = {(r["dataset"], r["workload"], r["length"], r["index"]): r for r in rows.values()
-            if r["method"] == "full"}
+    full = {
+        (r["dataset"], r["workload"], r["length"], r["index"]): r
+        for r in rows.values()
+        if r["method"] == "full"
+    }
     scored = []
     for r in rows.values():
         golds = r["answers"] or [""]

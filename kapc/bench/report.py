@@ -16,8 +16,14 @@ from pathlib import Path
 
 from kapc.bench import cases
 
-LABEL = {"full": "full context", "kapc": "kapc greedy", "kapc-top3": "kapc top-3",
-         "physical": "physical concat", "random": "random concat", "window": "local window"}
+LABEL = {
+    "full": "full context",
+    "kapc": "kapc greedy",
+    "kapc-top3": "kapc top-3",
+    "physical": "physical concat",
+    "random": "random concat",
+    "window": "local window",
+}
 PLANS = ("kapc", "kapc-top3")
 BASELINES = ("physical", "random", "window")
 
@@ -37,9 +43,12 @@ def complete_cases(rows: list[dict]) -> list[dict]:
     for r in rows:
         methods[(r["dataset"], r["workload"])].add(r["method"])
         have[(r["dataset"], r["workload"], r["length"], r["index"])].add(r["method"])
-    return [r for r in rows
-            if have[(r["dataset"], r["workload"], r["length"], r["index"])]
-            == methods[(r["dataset"], r["workload"])]]
+    return [
+        r
+        for r in rows
+        if have[(r["dataset"], r["workload"], r["length"], r["index"])]
+        == methods[(r["dataset"], r["workload"])]
+    ]
 
 
 def summarize(rows: list[dict], ttft: list[dict] = ()) -> list[dict]:
@@ -60,16 +69,22 @@ def summarize(rows: list[dict], ttft: list[dict] = ()) -> list[dict]:
         cycles = sum(r.get("cycles") or 0 for r in g)
         t = tt.get((d, n, m), [])
         rec = {
-            "dataset": d, "workload": w, "length": n, "method": m, "n": len(g),
+            "dataset": d,
+            "workload": w,
+            "length": n,
+            "method": m,
+            "n": len(g),
             "prompt_tokens": _mean([r["prompt_tokens"] for r in g]),
             "generated": _mean([r["generated"] for r in g]),
             "tok_s": tokens / secs if secs else None,
-            "em": _mean([r.get("em") for r in g]), "f1": _mean([r.get("f1") for r in g]),
+            "em": _mean([r.get("em") for r in g]),
+            "f1": _mean([r.get("f1") for r in g]),
             "contains": _mean([r.get("contains") for r in g]),
             "similarity": _mean([r.get("similarity") for r in g]),
             "pass": _mean([None if r.get("passed") is None else float(r["passed"]) for r in g]),
-            "identical": _mean([None if r.get("identical") is None else float(r["identical"])
-                                for r in g]),
+            "identical": _mean(
+                [None if r.get("identical") is None else float(r["identical"]) for r in g]
+            ),
             "agree_f1": _mean([r.get("agree_f1") for r in g]),
             "ttft_s": _mean([x["engine_s"] for x in t]),
             "compile_s": _mean([r.get("compile_s") for r in g]),
@@ -78,17 +93,23 @@ def summarize(rows: list[dict], ttft: list[dict] = ()) -> list[dict]:
         if m in PLANS:
             s = _mean([r.get("s") for r in g])
             h = accepted / proposed if proposed else None
-            rec.update(s=s, h=h, margin=h - s if h is not None and s is not None else None,
-                       tokens_per_cycle=sum(max(0, r["generated"] - 1) for r in g) / cycles
-                       if cycles else None,
-                       pred_speedup=_mean([r.get("pred_speedup") for r in g]),
-                       plans_run=sum(r.get("status") == "plan" for r in g))
+            rec.update(
+                s=s,
+                h=h,
+                margin=h - s if h is not None and s is not None else None,
+                tokens_per_cycle=sum(max(0, r["generated"] - 1) for r in g) / cycles
+                if cycles
+                else None,
+                pred_speedup=_mean([r.get("pred_speedup") for r in g]),
+                plans_run=sum(r.get("status") == "plan" for r in g),
+            )
         out.append(rec)
     full = {(r["dataset"], r["workload"], r["length"]): r for r in out if r["method"] == "full"}
     for r in out:
         f = full.get((r["dataset"], r["workload"], r["length"]))
-        r["speedup"] = (r["tok_s"] / f["tok_s"] if f and f["tok_s"] and r["tok_s"] is not None
-                        else None)
+        r["speedup"] = (
+            r["tok_s"] / f["tok_s"] if f and f["tok_s"] and r["tok_s"] is not None else None
+        )
     return out
 
 
@@ -107,8 +128,9 @@ def _table(head: list[str], body: list[list[str]]) -> str:
 
 
 def _by(summary, d, w):
-    return {(r["length"], r["method"]): r for r in summary
-            if r["dataset"] == d and r["workload"] == w}
+    return {
+        (r["length"], r["method"]): r for r in summary if r["dataset"] == d and r["workload"] == w
+    }
 
 
 def efficiency_table(summary, d, w) -> str:
@@ -118,14 +140,37 @@ def efficiency_table(summary, d, w) -> str:
     for n in sorted({k[0] for k in by}):
         f, g, t = by.get((n, "full"), {}), by.get((n, "kapc"), {}), by.get((n, "kapc-top3"), {})
         p = g or t
-        body.append([f"{n}", _f(f.get("prompt_tokens"), ".0f"), _f(f.get("tok_s")),
-                     _f(g.get("tok_s")), _f(g.get("speedup")) + "x" if g else "-",
-                     _f(t.get("tok_s")), _f(t.get("speedup")) + "x" if t else "-",
-                     _f(f.get("ttft_s")), _f(p.get("ttft_s")), _f(p.get("compile_s"), ".3f"),
-                     _f(f.get("frontend_s"))])
-    return _table(["length", "prompt tokens", "full tok/s", "greedy tok/s", "greedy x",
-                   "top-3 tok/s", "top-3 x", "full TTFT s", "kapc TTFT s", "+ compile s",
-                   "frontend s"], body)
+        body.append(
+            [
+                f"{n}",
+                _f(f.get("prompt_tokens"), ".0f"),
+                _f(f.get("tok_s")),
+                _f(g.get("tok_s")),
+                _f(g.get("speedup")) + "x" if g else "-",
+                _f(t.get("tok_s")),
+                _f(t.get("speedup")) + "x" if t else "-",
+                _f(f.get("ttft_s")),
+                _f(p.get("ttft_s")),
+                _f(p.get("compile_s"), ".3f"),
+                _f(f.get("frontend_s")),
+            ]
+        )
+    return _table(
+        [
+            "length",
+            "prompt tokens",
+            "full tok/s",
+            "greedy tok/s",
+            "greedy x",
+            "top-3 tok/s",
+            "top-3 x",
+            "full TTFT s",
+            "kapc TTFT s",
+            "+ compile s",
+            "frontend s",
+        ],
+        body,
+    )
 
 
 def quality_table(summary, d, w, methods=("full",) + PLANS) -> str:
@@ -137,11 +182,33 @@ def quality_table(summary, d, w, methods=("full",) + PLANS) -> str:
             r = by.get((n, m))
             if r is None:
                 continue
-            body.append([f"{n}", LABEL[m], f"{r['n']}", _pct(r["em"]), _pct(r["f1"]),
-                         _pct(r["contains"]), _f(r["similarity"], ".3f"), _pct(r["pass"]),
-                         "-" if m == "full" else _pct(r["identical"])])
-    return _table(["length", "method", "questions", "EM %", "F1 %", "contains %", "similarity",
-                   "pass %", "identical to full %"], body)
+            body.append(
+                [
+                    f"{n}",
+                    LABEL[m],
+                    f"{r['n']}",
+                    _pct(r["em"]),
+                    _pct(r["f1"]),
+                    _pct(r["contains"]),
+                    _f(r["similarity"], ".3f"),
+                    _pct(r["pass"]),
+                    "-" if m == "full" else _pct(r["identical"]),
+                ]
+            )
+    return _table(
+        [
+            "length",
+            "method",
+            "questions",
+            "EM %",
+            "F1 %",
+            "contains %",
+            "similarity",
+            "pass %",
+            "identical to full %",
+        ],
+        body,
+    )
 
 
 def baselines_table(summary, d, w, length: int | None = None) -> tuple[int | None, str]:
@@ -154,12 +221,33 @@ def baselines_table(summary, d, w, length: int | None = None) -> tuple[int | Non
         r = by.get((n, m))
         if r is None:
             continue
-        body.append([LABEL[m], _f(r["prompt_tokens"], ".0f"), _f(r["tok_s"]),
-                     _f(r["speedup"]) + "x" if r["speedup"] is not None else "-",
-                     _f(r["ttft_s"]), _pct(r["em"]), _pct(r["f1"]), _f(r["similarity"], ".3f"),
-                     _pct(r["pass"])])
-    return n, _table(["method", "prompt tokens", "tok/s", "x full", "TTFT s", "EM %", "F1 %",
-                      "similarity", "pass %"], body)
+        body.append(
+            [
+                LABEL[m],
+                _f(r["prompt_tokens"], ".0f"),
+                _f(r["tok_s"]),
+                _f(r["speedup"]) + "x" if r["speedup"] is not None else "-",
+                _f(r["ttft_s"]),
+                _pct(r["em"]),
+                _pct(r["f1"]),
+                _f(r["similarity"], ".3f"),
+                _pct(r["pass"]),
+            ]
+        )
+    return n, _table(
+        [
+            "method",
+            "prompt tokens",
+            "tok/s",
+            "x full",
+            "TTFT s",
+            "EM %",
+            "F1 %",
+            "similarity",
+            "pass %",
+        ],
+        body,
+    )
 
 
 def phase_table(summary, d, w) -> str:
@@ -171,21 +259,44 @@ def phase_table(summary, d, w) -> str:
             r = by.get((n, m))
             if r is None:
                 continue
-            body.append([f"{n}", LABEL[m], _f(r["s"], ".3f"), _f(r["h"], ".3f"),
-                         _f(r["margin"], ".3f"), _f(r["tokens_per_cycle"]),
-                         _f(r["speedup"]) + "x" if r["speedup"] is not None else "-",
-                         _f(r["pred_speedup"]) + "x" if r["pred_speedup"] is not None else "-",
-                         f"{r['plans_run']}/{r['n']}"])
-    return _table(["length", "method", "s", "h", "h - s", "tokens/cycle", "measured x",
-                   "predicted x", "plans run"], body)
+            body.append(
+                [
+                    f"{n}",
+                    LABEL[m],
+                    _f(r["s"], ".3f"),
+                    _f(r["h"], ".3f"),
+                    _f(r["margin"], ".3f"),
+                    _f(r["tokens_per_cycle"]),
+                    _f(r["speedup"]) + "x" if r["speedup"] is not None else "-",
+                    _f(r["pred_speedup"]) + "x" if r["pred_speedup"] is not None else "-",
+                    f"{r['plans_run']}/{r['n']}",
+                ]
+            )
+    return _table(
+        [
+            "length",
+            "method",
+            "s",
+            "h",
+            "h - s",
+            "tokens/cycle",
+            "measured x",
+            "predicted x",
+            "plans run",
+        ],
+        body,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # paired differences
 
 # (summary name, row field, scale to the table's unit, format): pass rate and F1 in points
-PAIRED_METRICS = (("pass", "passed", 100.0, "+.1f"), ("f1", "f1", 100.0, "+.1f"),
-                  ("similarity", "similarity", 1.0, "+.3f"))
+PAIRED_METRICS = (
+    ("pass", "passed", 100.0, "+.1f"),
+    ("f1", "f1", 100.0, "+.1f"),
+    ("similarity", "similarity", 1.0, "+.3f"),
+)
 
 
 def paired(rows: list[dict], resamples: int = 2000, seed: int = 0) -> list[dict]:
@@ -199,8 +310,11 @@ def paired(rows: list[dict], resamples: int = 2000, seed: int = 0) -> list[dict]
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    full = {(r["dataset"], r["workload"], r["length"], r["index"]): r
-            for r in rows if r["method"] == "full"}
+    full = {
+        (r["dataset"], r["workload"], r["length"], r["index"]): r
+        for r in rows
+        if r["method"] == "full"
+    }
     groups: dict[tuple, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         f = full.get((r["dataset"], r["workload"], r["length"], r["index"]))
@@ -210,7 +324,8 @@ def paired(rows: list[dict], resamples: int = 2000, seed: int = 0) -> list[dict]
             a, b = r.get(field), f.get(field)
             if a is not None and b is not None:
                 groups[(r["dataset"], r["workload"], r["method"], name)][r["index"]].append(
-                    float(a) - float(b))
+                    float(a) - float(b)
+                )
     out = []
     for (d, w, m, name), by_q in sorted(groups.items()):
         sums = np.array([sum(v) for v in by_q.values()])
@@ -218,50 +333,92 @@ def paired(rows: list[dict], resamples: int = 2000, seed: int = 0) -> list[dict]
         draw = rng.integers(0, len(sums), size=(resamples, len(sums)))
         stats = sums[draw].sum(axis=1) / counts[draw].sum(axis=1)
         lo, hi = np.percentile(stats, [2.5, 97.5])
-        out.append({"dataset": d, "workload": w, "method": m, "metric": name,
-                    "cases": int(counts.sum()), "questions": len(sums),
-                    "diff": float(sums.sum() / counts.sum()), "lo": float(lo), "hi": float(hi)})
+        out.append(
+            {
+                "dataset": d,
+                "workload": w,
+                "method": m,
+                "metric": name,
+                "cases": int(counts.sum()),
+                "questions": len(sums),
+                "diff": float(sums.sum() / counts.sum()),
+                "lo": float(lo),
+                "hi": float(hi),
+            }
+        )
     return out
 
 
 def paired_table(comparison: list[dict], d, w) -> str:
     """Every method's paired difference from full context, with its interval."""
-    by = {(c["method"], c["metric"]): c for c in comparison
-          if c["dataset"] == d and c["workload"] == w}
+    by = {
+        (c["method"], c["metric"]): c
+        for c in comparison
+        if c["dataset"] == d and c["workload"] == w
+    }
     body = []
     for m in PLANS + BASELINES:
         known = [by[(m, name)] for name, *_ in PAIRED_METRICS if (m, name) in by]
         if not known:
             continue
-        cells = ["-" if (c := by.get((m, name))) is None else
-                 f"{_f(c['diff'], spec, scale)} [{_f(c['lo'], spec, scale)}, "
-                 f"{_f(c['hi'], spec, scale)}]" for name, _, scale, spec in PAIRED_METRICS]
+        cells = [
+            "-"
+            if (c := by.get((m, name))) is None
+            else f"{_f(c['diff'], spec, scale)} [{_f(c['lo'], spec, scale)}, "
+            f"{_f(c['hi'], spec, scale)}]"
+            for name, _, scale, spec in PAIRED_METRICS
+        ]
         body.append([LABEL[m], f"{known[0]['cases']}", f"{known[0]['questions']}", *cells])
-    return _table(["method", "cases", "questions", "pass, points", "F1, points",
-                   "similarity"], body)
+    return _table(
+        ["method", "cases", "questions", "pass, points", "F1, points", "similarity"], body
+    )
 
 
 def markdown(summary: list[dict], title: str = "kapc bench", comparison: list[dict] = ()) -> str:
     parts = [f"# {title}", ""]
     for d in sorted({r["dataset"] for r in summary}):
-        for w in [w for w in cases.WORKLOADS if any(r["dataset"] == d and r["workload"] == w
-                                                     for r in summary)]:
+        for w in [
+            w
+            for w in cases.WORKLOADS
+            if any(r["dataset"] == d and r["workload"] == w for r in summary)
+        ]:
             n, base = baselines_table(summary, d, w)
-            parts += [f"## {d}, {w} answers", "",
-                      "### Efficiency by length", "", efficiency_table(summary, d, w), "",
-                      "### Quality by length", "", quality_table(summary, d, w), "",
-                      f"### Plans against the prompt baselines at {n} tokens", "", base, "",
-                      "### Phase boundary", "", phase_table(summary, d, w), ""]
+            parts += [
+                f"## {d}, {w} answers",
+                "",
+                "### Efficiency by length",
+                "",
+                efficiency_table(summary, d, w),
+                "",
+                "### Quality by length",
+                "",
+                quality_table(summary, d, w),
+                "",
+                f"### Plans against the prompt baselines at {n} tokens",
+                "",
+                base,
+                "",
+                "### Phase boundary",
+                "",
+                phase_table(summary, d, w),
+                "",
+            ]
             if any(c["dataset"] == d and c["workload"] == w for c in comparison):
-                parts += ["### Against full context, on the same questions", "",
-                          "Each method's score minus full context's, case by case, over every "
-                          "length; in brackets a 95% bootstrap interval over questions.", "",
-                          paired_table(comparison, d, w), ""]
+                parts += [
+                    "### Against full context, on the same questions",
+                    "",
+                    "Each method's score minus full context's, case by case, over every "
+                    "length; in brackets a 95% bootstrap interval over questions.",
+                    "",
+                    paired_table(comparison, d, w),
+                    "",
+                ]
     return "\n".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------
 # plots
+
 
 def plot_all(summary: list[dict], out: Path) -> list[Path]:
     import matplotlib
@@ -290,8 +447,13 @@ def plot_all(summary: list[dict], out: Path) -> list[Path]:
         a1.legend(fontsize=7)
         for m in PLANS:
             a2.plot(lengths, series(m, "speedup"), marker="o", label=f"{LABEL[m]} measured")
-            a2.plot(lengths, series(m, "pred_speedup"), ls="--", marker="x",
-                    label=f"{LABEL[m]} predicted")
+            a2.plot(
+                lengths,
+                series(m, "pred_speedup"),
+                ls="--",
+                marker="x",
+                label=f"{LABEL[m]} predicted",
+            )
         a2.axhline(1.0, color="grey", lw=0.8)
         a2.set(ylabel="x full context", title="speedup")
         _length_axis(a2, lengths)
@@ -309,8 +471,11 @@ def plot_all(summary: list[dict], out: Path) -> list[Path]:
         paths.append(_save(fig, out / f"s-h-{tag}.png", plt))
 
         fig, ax = plt.subplots(figsize=(4.2, 4.0))
-        pts = [(r["pred_speedup"], r["speedup"], r["method"]) for r in by.values()
-               if r["method"] in PLANS and r.get("pred_speedup") and r.get("speedup")]
+        pts = [
+            (r["pred_speedup"], r["speedup"], r["method"])
+            for r in by.values()
+            if r["method"] in PLANS and r.get("pred_speedup") and r.get("speedup")
+        ]
         for m in PLANS:
             xy = [(p, s) for p, s, mm in pts if mm == m]
             if xy:
@@ -321,22 +486,26 @@ def plot_all(summary: list[dict], out: Path) -> list[Path]:
             ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8, label="measured = predicted")
         ax.axhline(1.0, color="red", lw=0.6, ls=":")
         ax.axvline(1.0, color="red", lw=0.6, ls=":", label="break-even")
-        ax.set(xlabel="predicted speedup", ylabel="measured speedup",
-               title="measured against predicted")
+        ax.set(
+            xlabel="predicted speedup",
+            ylabel="measured speedup",
+            title="measured against predicted",
+        )
         ax.legend(fontsize=7)
         paths.append(_save(fig, out / f"predicted-{tag}.png", plt))
 
         fig, ax = plt.subplots(figsize=(7.5, 3.4))
-        methods = [m for m in ("full",) + PLANS + BASELINES
-                   if any(k[1] == m for k in by)]
+        methods = [m for m in ("full",) + PLANS + BASELINES if any(k[1] == m for k in by)]
         width = 0.8 / max(1, len(methods))
         for j, m in enumerate(methods):
             ys = [100 * (by.get((n, m), {}).get("pass") or 0) for n in lengths]
             ax.bar([i + j * width for i in range(len(lengths))], ys, width, label=LABEL[m])
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(lengths))],
-                      [str(n) for n in lengths])
-        ax.set(xlabel="context tokens", ylabel="pass rate % (similarity >= 0.5)",
-               title=f"quality by method ({d}, {w} answers)")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(lengths))], [str(n) for n in lengths])
+        ax.set(
+            xlabel="context tokens",
+            ylabel="pass rate % (similarity >= 0.5)",
+            title=f"quality by method ({d}, {w} answers)",
+        )
         ax.legend(fontsize=7, ncol=2)
         paths.append(_save(fig, out / f"quality-{tag}.png", plt))
     return paths
@@ -366,8 +535,10 @@ def write_report(out: Path) -> Path:
     summary = summarize(rows, read_rows_plain(out / TTFT))
     cfg = json.loads((out / CONFIG).read_text()) if (out / CONFIG).exists() else {}
     ident = cfg.get("identity", {})
-    title = (f"kapc bench: {ident.get('engine', '?')} engine, batch {ident.get('batch', '?')}, "
-             f"k={ident.get('k', '?')}")
+    title = (
+        f"kapc bench: {ident.get('engine', '?')} engine, batch {ident.get('batch', '?')}, "
+        f"k={ident.get('k', '?')}"
+    )
     comparison = paired(rows)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "paired.json").write_text(json.dumps(comparison, indent=1))

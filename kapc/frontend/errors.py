@@ -24,7 +24,8 @@ def require(module: str, install: str) -> ModuleType:
     except ImportError as exc:
         raise MissingPackageError(
             f"the kapc frontend needs the Python module `{module}` ({exc}); install it with: "
-            f"pip install {install}") from None
+            f"pip install {install}"
+        ) from None
 
 
 def package_dir(module: str, install: str) -> str:
@@ -34,5 +35,6 @@ def package_dir(module: str, install: str) -> str:
     if spec is None or not spec.submodule_search_locations:
         raise MissingPackageError(
             f"the kapc frontend needs the package that provides `{module}`; install it with: "
-            f"pip install {install}")
+            f"pip install {install}"
+        )
     return list(spec.submodule_search_locations)[0]

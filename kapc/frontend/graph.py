@@ -86,16 +86,23 @@ class GraphConfig:
 
     def __post_init__(self) -> None:
         if self.node_mode not in NODE_MODES:
-            raise ValueError(f"node_mode must be one of {', '.join(NODE_MODES)}, "
-                             f"not {self.node_mode!r}")
+            raise ValueError(
+                f"node_mode must be one of {', '.join(NODE_MODES)}, not {self.node_mode!r}"
+            )
 
     def params(self) -> dict:
-        out = {"damping": self.damping, "passage_node_weight": self.passage_node_weight,
-               "synonym_threshold": self.synonym_threshold, "link_top_k": self.link_top_k,
-               "title_edge_weight": self.title_edge_weight,
-               "max_entity_share": self.max_entity_share,
-               "skip_labels": sorted(self.skip_labels), "max_nodes": self.max_nodes,
-               "node_scores": list(self.node_scores), "node_mode": self.node_mode}
+        out = {
+            "damping": self.damping,
+            "passage_node_weight": self.passage_node_weight,
+            "synonym_threshold": self.synonym_threshold,
+            "link_top_k": self.link_top_k,
+            "title_edge_weight": self.title_edge_weight,
+            "max_entity_share": self.max_entity_share,
+            "skip_labels": sorted(self.skip_labels),
+            "max_nodes": self.max_nodes,
+            "node_scores": list(self.node_scores),
+            "node_mode": self.node_mode,
+        }
         if self.node_mode == "hop":
             out["hop_sources"] = self.hop_sources
         return out
@@ -111,8 +118,7 @@ HIPPORAG2 = GraphConfig()
 # of the two best passages, each anchored at its mentions there and in the passage titled by it.
 # Under the compiler's `ground` (best anchored node score mixed in at weight 0.5) they lift the
 # page a bridge entity leads to; the highest-PPR nodes of HippoRAG 2 lowered recall instead.
-DEFAULT = GraphConfig(passage_node_weight=0.5, node_mode="hop", hop_sources=2,
-                      node_scores=("hop",))
+DEFAULT = GraphConfig(passage_node_weight=0.5, node_mode="hop", hop_sources=2, node_scores=("hop",))
 CONFIGS = {"default": DEFAULT, "hipporag2": HIPPORAG2}
 
 
@@ -124,9 +130,11 @@ def nlp():
     require("spacy", SPACY_INSTALL)
     pkg = require(SPACY_PACKAGE, SPACY_INSTALL)
     from kapc.frontend.progress import status
+
     with status("loading spaCy en_core_web_sm"):
-        return pkg.load(exclude=["tok2vec", "parser", "lemmatizer", "tagger",
-                                "attribute_ruler", "senter"])
+        return pkg.load(
+            exclude=["tok2vec", "parser", "lemmatizer", "tagger", "attribute_ruler", "senter"]
+        )
 
 
 _ner_cache: dict[str, tuple[tuple[int, int, str], ...]] = {}
@@ -140,6 +148,7 @@ def entities(texts: list[str]) -> list[tuple[tuple[int, int, str], ...]]:
         import json
 
         from kapc.frontend import memo
+
         if len(_ner_cache) > 200_000:
             _ner_cache.clear()
         kind = f"ner:{SPACY_PACKAGE}"
@@ -150,7 +159,8 @@ def entities(texts: list[str]) -> list[tuple[tuple[int, int, str], ...]]:
             new = {}
             for text, doc in zip(todo, nlp().pipe(todo, batch_size=64)):
                 new[text] = _ner_cache[text] = tuple(
-                    (e.start_char, e.end_char, e.label_) for e in doc.ents)
+                    (e.start_char, e.end_char, e.label_) for e in doc.ents
+                )
             memo.put_many(kind, {t: json.dumps(v).encode() for t, v in new.items()})
     return [_ner_cache[t] for t in texts]
 
@@ -195,8 +205,11 @@ class Entity:
 
     @property
     def name(self) -> str:
-        return max(self.names.items(), key=lambda kv: (kv[1], -len(kv[0]), kv[0]))[0] \
-            if self.names else self.key
+        return (
+            max(self.names.items(), key=lambda kv: (kv[1], -len(kv[0]), kv[0]))[0]
+            if self.names
+            else self.key
+        )
 
     @property
     def passages(self) -> list[int]:
@@ -215,9 +228,12 @@ class GraphResult:
     question_keys: frozenset[str] = frozenset()
 
 
-def extract(texts: list[str], titles: list[str | None],
-            body_offsets: list[int] | None = None,
-            skip_labels: frozenset[str] = SKIP_LABELS) -> list[Entity]:
+def extract(
+    texts: list[str],
+    titles: list[str | None],
+    body_offsets: list[int] | None = None,
+    skip_labels: frozenset[str] = SKIP_LABELS,
+) -> list[Entity]:
     """The entities of the passages, with every mention as (passage, start, end) in its text.
     `body_offsets[i]` is where passage i's body starts (title mentions of a passage's own title
     line are still recorded; NER runs on the whole text)."""
@@ -257,8 +273,9 @@ def extract(texts: list[str], titles: list[str | None],
     return [by_key[k] for k in sorted(by_key)]
 
 
-def _question_entity_keys(question: str, ents: list[Entity],
-                          skip_labels: frozenset[str] = SKIP_LABELS) -> set[str]:
+def _question_entity_keys(
+    question: str, ents: list[Entity], skip_labels: frozenset[str] = SKIP_LABELS
+) -> set[str]:
     keys = set()
     for a, b, label in entities([question])[0]:
         if label not in skip_labels:
@@ -270,8 +287,9 @@ def _question_entity_keys(question: str, ents: list[Entity],
     return keys
 
 
-def personalized_pagerank(n: int, edges: dict[tuple[int, int], float], reset: np.ndarray,
-                          damping: float = DAMPING) -> np.ndarray:
+def personalized_pagerank(
+    n: int, edges: dict[tuple[int, int], float], reset: np.ndarray, damping: float = DAMPING
+) -> np.ndarray:
     """PPR over an undirected weighted graph of `n` nodes; igraph prpack, networkx as fallback."""
     if reset.sum() <= 0:
         reset = np.ones(n)
@@ -284,16 +302,27 @@ def personalized_pagerank(n: int, edges: dict[tuple[int, int], float], reset: np
     if igraph is not None:
         g = igraph.Graph(n=n, edges=pairs, directed=False)
         g.es["weight"] = [edges[e] for e in pairs]
-        out = g.personalized_pagerank(vertices=range(n), directed=False, damping=damping,
-                                      reset=reset.tolist(), weights="weight",
-                                      implementation="prpack")
+        out = g.personalized_pagerank(
+            vertices=range(n),
+            directed=False,
+            damping=damping,
+            reset=reset.tolist(),
+            weights="weight",
+            implementation="prpack",
+        )
         return np.asarray(out, dtype=np.float64)
     nx = require("networkx", "networkx")
     g = nx.Graph()
     g.add_nodes_from(range(n))
     g.add_weighted_edges_from((a, b, edges[(a, b)]) for a, b in pairs)
-    pr = nx.pagerank(g, alpha=damping, personalization={i: float(r) for i, r in enumerate(reset)},
-                     weight="weight", tol=1e-10, max_iter=1000)
+    pr = nx.pagerank(
+        g,
+        alpha=damping,
+        personalization={i: float(r) for i, r in enumerate(reset)},
+        weight="weight",
+        tol=1e-10,
+        max_iter=1000,
+    )
     return np.asarray([pr[i] for i in range(n)], dtype=np.float64)
 
 
@@ -310,8 +339,9 @@ class Graph:
     question_keys: set[str]  # normalised names of the entities the question mentions
 
 
-def build_graph(question: str, texts: list[str], titles: list[str | None],
-                cfg: GraphConfig) -> Graph:
+def build_graph(
+    question: str, texts: list[str], titles: list[str | None], cfg: GraphConfig
+) -> Graph:
     """Entities, edges (context, co-occurrence, synonym) and the question's entities."""
     synonym_threshold, title_edge_weight = cfg.synonym_threshold, cfg.title_edge_weight
     n_p = len(texts)
@@ -340,7 +370,7 @@ def build_graph(question: str, texts: list[str], titles: list[str | None],
     for members in per_sentence.values():
         ms = sorted(members)
         for i, a in enumerate(ms):
-            for b in ms[i + 1:]:
+            for b in ms[i + 1 :]:
                 if (n_p + a, n_p + b) not in edges:
                     counts["cooccurrence"] += 1
                 edges[(n_p + a, n_p + b)] += 1.0
@@ -359,8 +389,14 @@ def build_graph(question: str, texts: list[str], titles: list[str | None],
     else:
         ent_dense = np.zeros(0)
     q_keys = _question_entity_keys(question, ents, cfg.skip_labels)
-    return Graph(n_passages=n_p, entities=ents, edges=dict(edges), counts=counts,
-                 entity_dense=ent_dense, question_keys=q_keys)
+    return Graph(
+        n_passages=n_p,
+        entities=ents,
+        edges=dict(edges),
+        counts=counts,
+        entity_dense=ent_dense,
+        question_keys=q_keys,
+    )
 
 
 def entity_seeds(g: Graph, link_top_k: int = LINK_TOP_K) -> np.ndarray:
@@ -381,11 +417,18 @@ def entity_seeds(g: Graph, link_top_k: int = LINK_TOP_K) -> np.ndarray:
     return ent_seed
 
 
-def run_graph(question: str, texts: list[str], titles: list[str | None], dense: np.ndarray,
-              config: GraphConfig | None = None, **overrides) -> GraphResult:
+def run_graph(
+    question: str,
+    texts: list[str],
+    titles: list[str | None],
+    dense: np.ndarray,
+    config: GraphConfig | None = None,
+    **overrides,
+) -> GraphResult:
     """Build the entity graph over `texts` and run PPR seeded from the question. `config`
     defaults to `DEFAULT`; keyword arguments override single fields of it."""
     import dataclasses
+
     cfg = dataclasses.replace(config or DEFAULT, **overrides)
     g = build_graph(question, texts, titles, cfg)
     n_p, ents = g.n_passages, g.entities
@@ -393,10 +436,15 @@ def run_graph(question: str, texts: list[str], titles: list[str | None], dense: 
     reset = np.concatenate([minmax(dense) * cfg.passage_node_weight, ent_seed])
     ppr = personalized_pagerank(n_p + len(ents), g.edges, reset, cfg.damping)
     return GraphResult(
-        passage_ppr=ppr[:n_p], entities=ents, entity_ppr=ppr[n_p:], entity_dense=g.entity_dense,
-        entity_seed=ent_seed, edges=g.counts,
+        passage_ppr=ppr[:n_p],
+        entities=ents,
+        entity_ppr=ppr[n_p:],
+        entity_dense=g.entity_dense,
+        entity_seed=ent_seed,
+        edges=g.counts,
         question_entities=sorted(e.name for e in ents if e.key in g.question_keys),
-        question_keys=frozenset(g.question_keys))
+        question_keys=frozenset(g.question_keys),
+    )
 
 
 @dataclass
@@ -411,8 +459,13 @@ class HopNode:
     mentions: list[tuple[int, int, int]]  # (passage, start, end), in pages and sources
 
 
-def hop_nodes(g: GraphResult, titles: list[str | None], own: np.ndarray,
-              sources: int = 2, max_anchors: int = 32) -> list[HopNode]:
+def hop_nodes(
+    g: GraphResult,
+    titles: list[str | None],
+    own: np.ndarray,
+    sources: int = 2,
+    max_anchors: int = 32,
+) -> list[HopNode]:
     """Second-hop expansion from the best passages, the way a bridge question is answered: the
     entities mentioned in the `sources` passages with the highest `own` score (not the
     question's own entities, which every related passage mentions), each scored by the best
@@ -438,9 +491,16 @@ def hop_nodes(g: GraphResult, titles: list[str | None], own: np.ndarray,
             continue
         page_m = [m for m in ent.mentions if m[0] in pages]
         src_m = [m for m in ent.mentions if m[0] in src]
-        page_m = page_m[:max_anchors // 2]  # keep room for the pages among the anchors
-        mentions = sorted(page_m + src_m[:max_anchors - len(page_m)])
-        out.append(HopNode(index=j, score=max(float(own[p]) for p in src), sources=src,
-                           pages=pages, mentions=mentions))
+        page_m = page_m[: max_anchors // 2]  # keep room for the pages among the anchors
+        mentions = sorted(page_m + src_m[: max_anchors - len(page_m)])
+        out.append(
+            HopNode(
+                index=j,
+                score=max(float(own[p]) for p in src),
+                sources=src,
+                pages=pages,
+                mentions=mentions,
+            )
+        )
     out.sort(key=lambda h: (-h.score, not h.pages, h.index))
     return out

@@ -60,8 +60,12 @@ def request_parts(request: Request) -> tuple[list[Segment], str]:
     return passages, question
 
 
-def score_passages(question: str, passages: list[Segment], frontend: str = "graph",
-                   graph_config: graph_mod.GraphConfig | None = None) -> Scored:
+def score_passages(
+    question: str,
+    passages: list[Segment],
+    frontend: str = "graph",
+    graph_config: graph_mod.GraphConfig | None = None,
+) -> Scored:
     if frontend not in FRONTENDS:
         raise FrontendError(f"unknown frontend {frontend!r}; choose one of {', '.join(FRONTENDS)}")
     texts = [s.text.strip() for s in passages]
@@ -79,14 +83,23 @@ def score_passages(question: str, passages: list[Segment], frontend: str = "grap
     return Scored(scores=scores, graph=g)
 
 
-def run_graph(question: str, passages: list[Segment], dense: np.ndarray,
-              graph_config: graph_mod.GraphConfig | None = None) -> graph_mod.GraphResult:
-    return graph_mod.run_graph(question, [s.text for s in passages], [s.title for s in passages],
-                               dense, graph_config)
+def run_graph(
+    question: str,
+    passages: list[Segment],
+    dense: np.ndarray,
+    graph_config: graph_mod.GraphConfig | None = None,
+) -> graph_mod.GraphResult:
+    return graph_mod.run_graph(
+        question, [s.text for s in passages], [s.title for s in passages], dense, graph_config
+    )
 
 
-def with_graph(question: str, passages: list[Segment], scored: Scored,
-               graph_config: graph_mod.GraphConfig | None) -> Scored:
+def with_graph(
+    question: str,
+    passages: list[Segment],
+    scored: Scored,
+    graph_config: graph_mod.GraphConfig | None,
+) -> Scored:
     """The same sparse/dense/fusion scores with the graph run again under `graph_config` (what the
     recall benchmark uses to compare graph settings without scoring twice)."""
     scores = {k: v for k, v in scored.scores.items() if k != "ppr"}
@@ -111,13 +124,21 @@ def own_scores(scores: dict[str, np.ndarray]) -> np.ndarray:
     return np.mean(parts, axis=0)
 
 
-def _units(passages: list[Segment], scored: Scored, max_nodes: int,
-           cfg: graph_mod.GraphConfig) -> tuple[list[Unit], list[dict]]:
+def _units(
+    passages: list[Segment], scored: Scored, max_nodes: int, cfg: graph_mod.GraphConfig
+) -> tuple[list[Unit], list[dict]]:
     """The passage units, then the node units (`cfg.node_mode`); with hop nodes also their
     provenance (node id, the passages it was reached from, the pages it leads to)."""
-    units = [Unit(id=seg.id, kind="passage", segment=seg.id, text=seg.title or "",
-                  scores={k: round(float(v[i]), 8) for k, v in scored.scores.items()})
-             for i, seg in enumerate(passages)]
+    units = [
+        Unit(
+            id=seg.id,
+            kind="passage",
+            segment=seg.id,
+            text=seg.title or "",
+            scores={k: round(float(v[i]), 8) for k, v in scored.scores.items()},
+        )
+        for i, seg in enumerate(passages)
+    ]
     g = scored.graph
     if g is None or not g.entities or max_nodes <= 0:
         return units, []
@@ -131,36 +152,66 @@ def _units(passages: list[Segment], scored: Scored, max_nodes: int,
         return uid
 
     def anchors(mentions) -> list[Anchor]:
-        return [Anchor(segment=passages[p].id, start=a, end=b)
-                for p, a, b in mentions[:MAX_ANCHORS]]
+        return [
+            Anchor(segment=passages[p].id, start=a, end=b) for p, a, b in mentions[:MAX_ANCHORS]
+        ]
 
     hops: list[dict] = []
     if cfg.node_mode == "hop":
         own = own_scores(scored.scores)
-        for h in graph_mod.hop_nodes(g, [s.title for s in passages], own, cfg.hop_sources,
-                                     MAX_ANCHORS)[:max_nodes]:
+        for h in graph_mod.hop_nodes(
+            g, [s.title for s in passages], own, cfg.hop_sources, MAX_ANCHORS
+        )[:max_nodes]:
             ent = g.entities[h.index]
             uid = uid_for(ent.name)
-            values = {"hop": h.score, "ppr": g.entity_ppr[h.index],
-                      "dense": g.entity_dense[h.index], "seed": g.entity_seed[h.index]}
-            units.append(Unit(id=uid, kind="node", text=ent.name, anchors=anchors(h.mentions),
-                              scores={k: round(float(values[k]), 8) for k in cfg.node_scores}))
-            hops.append({"node": uid, "from": [passages[p].id for p in h.sources],
-                         "to": [passages[p].id for p in h.pages]})
+            values = {
+                "hop": h.score,
+                "ppr": g.entity_ppr[h.index],
+                "dense": g.entity_dense[h.index],
+                "seed": g.entity_seed[h.index],
+            }
+            units.append(
+                Unit(
+                    id=uid,
+                    kind="node",
+                    text=ent.name,
+                    anchors=anchors(h.mentions),
+                    scores={k: round(float(values[k]), 8) for k in cfg.node_scores},
+                )
+            )
+            hops.append(
+                {
+                    "node": uid,
+                    "from": [passages[p].id for p in h.sources],
+                    "to": [passages[p].id for p in h.pages],
+                }
+            )
         return units, hops
     order = np.lexsort((np.arange(len(g.entities)), -g.entity_ppr))[:max_nodes]
     for j in order.tolist():
         ent = g.entities[j]
         values = {"ppr": g.entity_ppr[j], "dense": g.entity_dense[j], "seed": g.entity_seed[j]}
-        units.append(Unit(id=uid_for(ent.name), kind="node", text=ent.name,
-                          anchors=anchors(ent.mentions),
-                          scores={k: round(float(values[k]), 8) for k in cfg.node_scores}))
+        units.append(
+            Unit(
+                id=uid_for(ent.name),
+                kind="node",
+                text=ent.name,
+                anchors=anchors(ent.mentions),
+                scores={k: round(float(values[k]), 8) for k in cfg.node_scores},
+            )
+        )
     return units, hops
 
 
-def score_request(request: Request, name: str, frontend: str = "graph", *,
-                  meta: dict | None = None, max_nodes: int | None = None,
-                  graph_config: graph_mod.GraphConfig | None = None) -> Prior:
+def score_request(
+    request: Request,
+    name: str,
+    frontend: str = "graph",
+    *,
+    meta: dict | None = None,
+    max_nodes: int | None = None,
+    graph_config: graph_mod.GraphConfig | None = None,
+) -> Prior:
     """Score the passages of `request` against its question and emit a validated Prior.
     `graph_config` (default `graph.DEFAULT`) sets the graph frontend; `max_nodes` overrides its
     number of node units."""
@@ -168,13 +219,29 @@ def score_request(request: Request, name: str, frontend: str = "graph", *,
     if not passages:
         raise FrontendError("the request has no passage segments to score")
     scored = score_passages(question, passages, frontend, graph_config)
-    return prior_from_scored(request, name, frontend, passages, scored, meta=meta,
-                             max_nodes=max_nodes, graph_config=graph_config)
+    return prior_from_scored(
+        request,
+        name,
+        frontend,
+        passages,
+        scored,
+        meta=meta,
+        max_nodes=max_nodes,
+        graph_config=graph_config,
+    )
 
 
-def prior_from_scored(request: Request, name: str, frontend: str, passages: list[Segment],
-                      scored: Scored, *, meta: dict | None = None, max_nodes: int | None = None,
-                      graph_config: graph_mod.GraphConfig | None = None) -> Prior:
+def prior_from_scored(
+    request: Request,
+    name: str,
+    frontend: str,
+    passages: list[Segment],
+    scored: Scored,
+    *,
+    meta: dict | None = None,
+    max_nodes: int | None = None,
+    graph_config: graph_mod.GraphConfig | None = None,
+) -> Prior:
     """The validated Prior for scores already computed (`score_passages`, `with_graph`)."""
     cfg = graph_config or graph_mod.DEFAULT
     max_nodes = cfg.max_nodes if max_nodes is None else max_nodes
@@ -187,16 +254,24 @@ def prior_from_scored(request: Request, name: str, frontend: str, passages: list
         params["fusion"] = {"method": "rrf", "k": retrieval.RRF_K, "of": ["sparse", "dense"]}
     if scored.graph is not None:
         params["graph"] = {
-            "ner": "spacy en_core_web_sm", **cfg.params(), "max_nodes": max_nodes,
+            "ner": "spacy en_core_web_sm",
+            **cfg.params(),
+            "max_nodes": max_nodes,
             "preset": next((k for k, v in graph_mod.CONFIGS.items() if v == cfg), "custom"),
-            "entities": len(scored.graph.entities), "edges": scored.graph.edges,
-            "question_entities": scored.graph.question_entities}
+            "entities": len(scored.graph.entities),
+            "edges": scored.graph.edges,
+            "question_entities": scored.graph.question_entities,
+        }
     units, hops = _units(passages, scored, max_nodes, cfg)
     if hops:
         params["graph"]["hops"] = hops
-    prior = Prior(name=name, request=request, units=units,
-                  frontend=Frontend(name=f"kapc-{frontend}", version=__version__, params=params),
-                  meta=meta or {})
+    prior = Prior(
+        name=name,
+        request=request,
+        units=units,
+        frontend=Frontend(name=f"kapc-{frontend}", version=__version__, params=params),
+        meta=meta or {},
+    )
     return validated(prior)
 
 
@@ -205,33 +280,75 @@ def validated(prior: Prior) -> Prior:
     return decode_prior(encode_prior(prior, indent=0), source=f"<prior {prior.name}>")
 
 
-def hotpotqa_prior(index: int | None = None, context_tokens: int = 4096, *, qid: str | None = None,
-                   frontend: str = "graph", seed: int | None = 0, model: str | None = None,
-                   max_nodes: int | None = None,
-                   graph_config: graph_mod.GraphConfig | None = None) -> Prior:
+def hotpotqa_prior(
+    index: int | None = None,
+    context_tokens: int = 4096,
+    *,
+    qid: str | None = None,
+    frontend: str = "graph",
+    seed: int | None = 0,
+    model: str | None = None,
+    max_nodes: int | None = None,
+    graph_config: graph_mod.GraphConfig | None = None,
+) -> Prior:
     """The prior for HotpotQA dev question `index` (or `qid`) at `context_tokens` tokens."""
     from kapc.frontend.longctx import build_hotpotqa
+
     lc = build_hotpotqa(index, context_tokens, qid=qid, seed=seed, model=model)
-    return score_request(lc.request, f"hotpotqa-{lc.question_id}-{context_tokens}", frontend,
-                         meta=lc.meta(), max_nodes=max_nodes, graph_config=graph_config)
+    return score_request(
+        lc.request,
+        f"hotpotqa-{lc.question_id}-{context_tokens}",
+        frontend,
+        meta=lc.meta(),
+        max_nodes=max_nodes,
+        graph_config=graph_config,
+    )
 
 
-def hotpotqa_shared_priors(indices, context_tokens: int = 16384, *, frontend: str = "graph",
-                           seed: int | None = 0, model: str | None = None) -> list[Prior]:
+def hotpotqa_shared_priors(
+    indices,
+    context_tokens: int = 16384,
+    *,
+    frontend: str = "graph",
+    seed: int | None = 0,
+    model: str | None = None,
+) -> list[Prior]:
     """One prior per HotpotQA dev question of `indices`, all reading one shared long document
     (`longctx.build_hotpotqa_shared`): a batch of them prefills the document once."""
     from kapc.frontend.longctx import build_hotpotqa_shared
+
     docs = build_hotpotqa_shared(list(indices), context_tokens, seed=seed, model=model)
-    return [score_request(lc.request, f"hotpotqa-shared-{lc.question_id}-{context_tokens}",
-                          frontend, meta=lc.meta()) for lc in docs]
+    return [
+        score_request(
+            lc.request,
+            f"hotpotqa-shared-{lc.question_id}-{context_tokens}",
+            frontend,
+            meta=lc.meta(),
+        )
+        for lc in docs
+    ]
 
 
-def squad_prior(index: int | None = None, context_tokens: int = 4096, *, qid: str | None = None,
-                frontend: str = "graph", seed: int | None = 0, model: str | None = None,
-                max_nodes: int | None = None,
-                graph_config: graph_mod.GraphConfig | None = None) -> Prior:
+def squad_prior(
+    index: int | None = None,
+    context_tokens: int = 4096,
+    *,
+    qid: str | None = None,
+    frontend: str = "graph",
+    seed: int | None = 0,
+    model: str | None = None,
+    max_nodes: int | None = None,
+    graph_config: graph_mod.GraphConfig | None = None,
+) -> Prior:
     """The prior for SQuAD 2.0 dev question `index` (or `qid`) at `context_tokens` tokens."""
     from kapc.frontend.longctx import build_squad
+
     lc = build_squad(index, context_tokens, qid=qid, seed=seed, model=model)
-    return score_request(lc.request, f"squad-{lc.question_id}-{context_tokens}", frontend,
-                         meta=lc.meta(), max_nodes=max_nodes, graph_config=graph_config)
+    return score_request(
+        lc.request,
+        f"squad-{lc.question_id}-{context_tokens}",
+        frontend,
+        meta=lc.meta(),
+        max_nodes=max_nodes,
+        graph_config=graph_config,
+    )

@@ -99,6 +99,7 @@ class LongContext:
 # ---------------------------------------------------------------------------------------------
 # BM25 over a paragraph pool
 
+
 def _bm25_tokenize(texts: list[str]):
     bm25s = require("bm25s", BM25_INSTALL)
     return bm25s.tokenize(texts, stopwords="en", show_progress=False)
@@ -129,6 +130,7 @@ class _Pool:
 
 def _cache_dir() -> Path:
     from kapc.models import cache_root
+
     return cache_root() / "frontend"
 
 
@@ -142,6 +144,7 @@ def _build_index(paragraphs: tuple[data.Paragraph, ...], label: str, key: str | 
         except Exception:  # a damaged cache is rebuilt, never trusted
             shutil.rmtree(where, ignore_errors=True)
     from kapc.frontend.progress import status
+
     with status(f"indexing {len(paragraphs)} {label} paragraphs with BM25 (once)"):
         tokens = _bm25_tokenize([f"{p.title}\n{p.text}" for p in paragraphs])
         retriever = bm25s.BM25()
@@ -160,6 +163,7 @@ def _build_index(paragraphs: tuple[data.Paragraph, ...], label: str, key: str | 
 
 def _file_key(path: Path) -> str:
     import bm25s
+
     st = path.stat()
     raw = f"{path.name}:{st.st_size}:{st.st_mtime_ns}:{bm25s.__version__}:v1"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
@@ -178,8 +182,15 @@ def squad_pool() -> _Pool:
     return _Pool(paragraphs, _build_index(paragraphs, "squad", None))
 
 
-def _ordered_negatives(pool: _Pool, query: str, exclude_ids: set[int], exclude_titles: set[str],
-                       seed: int | None, salt: str, dedupe_titles: bool) -> Iterator[int]:
+def _ordered_negatives(
+    pool: _Pool,
+    query: str,
+    exclude_ids: set[int],
+    exclude_titles: set[str],
+    seed: int | None,
+    salt: str,
+    dedupe_titles: bool,
+) -> Iterator[int]:
     """Pool indices of the negatives for one question, in the one fixed order, lazily: a prompt
     needs tens of negatives out of tens of thousands, so only the blocks read are filtered and
     shuffled. The order is the same as shuffling the whole list at once (each RNG is consumed in
@@ -263,8 +274,11 @@ def _hotpot_negatives(index: int, seed: int | None) -> _Lazy:
     # The question's own titles (gold and distractors) never come back as negatives; nor does a
     # second paragraph under a title already used.
     own_titles = {p.title for p in q.paragraphs}
-    return _Lazy(_ordered_negatives(pool, q.question, set(), own_titles, seed,
-                                    f"hotpotqa:{q.id}", dedupe_titles=True))
+    return _Lazy(
+        _ordered_negatives(
+            pool, q.question, set(), own_titles, seed, f"hotpotqa:{q.id}", dedupe_titles=True
+        )
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -272,26 +286,41 @@ def _squad_negatives(index: int, seed: int | None) -> _Lazy:
     q = data.squad_question(index=index)
     pool = squad_pool()
     # SQuAD titles name articles: other paragraphs of the same article are fair negatives.
-    return _Lazy(_ordered_negatives(pool, q.question, {q.paragraph}, set(), seed,
-                                    f"squad:{q.id}", dedupe_titles=False))
+    return _Lazy(
+        _ordered_negatives(
+            pool, q.question, {q.paragraph}, set(), seed, f"squad:{q.id}", dedupe_titles=False
+        )
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Fitting a target length
 
+
 def _segments(paragraphs: list[data.Paragraph]) -> list[Segment]:
-    return [Segment(text=passage_text(p.title, p.text), kind="passage", id=f"p{i}", title=p.title)
-            for i, p in enumerate(paragraphs)]
+    return [
+        Segment(text=passage_text(p.title, p.text), kind="passage", id=f"p{i}", title=p.title)
+        for i, p in enumerate(paragraphs)
+    ]
 
 
-def _fit(base: list[data.Paragraph], base_origins: list[str], negatives, question: str,
-         target: int, model: str | None, instruction: str):
+def _fit(
+    base: list[data.Paragraph],
+    base_origins: list[str],
+    negatives,
+    question: str,
+    target: int,
+    model: str | None,
+    instruction: str,
+):
     """Longest prefix of `base + negatives` whose rendered prompt fits `target` tokens."""
     pt = prompt_tokenizer(model)
     positions = load_assets(model).context_tokens()
     if target > positions:
-        raise FrontendError(f"context tokens {target:,}: {pt.model} holds {positions:,} positions; "
-                            f"ask for {positions:,} or fewer")
+        raise FrontendError(
+            f"context tokens {target:,}: {pt.model} holds {positions:,} positions; "
+            f"ask for {positions:,} or fewer"
+        )
 
     def total(paragraphs: list[data.Paragraph]) -> int:
         return pt.request_tokens(chat_request(_segments(paragraphs), question, instruction))
@@ -311,7 +340,8 @@ def _fit(base: list[data.Paragraph], base_origins: list[str], negatives, questio
         if n > target:
             raise FrontendError(
                 f"the question's gold paragraphs alone take {n} tokens, more than the target "
-                f"{target}; ask for at least {n} context tokens")
+                f"{target}; ask for at least {n} context tokens"
+            )
         return chosen, [base_origins[k] for k in keep], n
     # Estimate with per-passage counts (a passage costs about one token more in context, where
     # its blank line splits from the next title), then settle exactly by bisection. `seen` holds
@@ -363,9 +393,15 @@ def _check_target(context_tokens: int) -> None:
         raise FrontendError(f"context tokens must be positive, got {context_tokens}")
 
 
-def build_hotpotqa(index: int | None = None, context_tokens: int = 4096, *, qid: str | None = None,
-                   seed: int | None = 0, model: str | None = None,
-                   instruction: str = DEFAULT_INSTRUCTION) -> LongContext:
+def build_hotpotqa(
+    index: int | None = None,
+    context_tokens: int = 4096,
+    *,
+    qid: str | None = None,
+    seed: int | None = 0,
+    model: str | None = None,
+    instruction: str = DEFAULT_INSTRUCTION,
+) -> LongContext:
     """The long-context prompt for HotpotQA dev question `index` (or `qid`) at `context_tokens`."""
     _check_target(context_tokens)
     q = data.hotpotqa_question(index=index, qid=qid)
@@ -379,22 +415,41 @@ def build_hotpotqa(index: int | None = None, context_tokens: int = 4096, *, qid:
         for i in _hotpot_negatives(q.index, seed):
             yield pool.paragraphs[i]
 
-    chosen, chosen_origins, n = _fit(base, origins, negatives(), q.question, context_tokens, model,
-                                     instruction)
+    chosen, chosen_origins, n = _fit(
+        base, origins, negatives(), q.question, context_tokens, model, instruction
+    )
     segs = _segments(chosen)
     pt = prompt_tokenizer(model)
     return LongContext(
-        dataset="hotpotqa", question_id=q.id, question_index=q.index, question=q.question,
-        answers=(q.answer,), passages=tuple(chosen), origins=tuple(chosen_origins),
-        target_tokens=context_tokens, prompt_tokens=n,
-        request=chat_request(segs, q.question, instruction), seed=seed, model=pt.model,
-        extra={"type": q.type, "level": q.level,
-               "supporting_facts": [[t, k] for t, k in q.supporting_facts]})
+        dataset="hotpotqa",
+        question_id=q.id,
+        question_index=q.index,
+        question=q.question,
+        answers=(q.answer,),
+        passages=tuple(chosen),
+        origins=tuple(chosen_origins),
+        target_tokens=context_tokens,
+        prompt_tokens=n,
+        request=chat_request(segs, q.question, instruction),
+        seed=seed,
+        model=pt.model,
+        extra={
+            "type": q.type,
+            "level": q.level,
+            "supporting_facts": [[t, k] for t, k in q.supporting_facts],
+        },
+    )
 
 
-def build_squad(index: int | None = None, context_tokens: int = 4096, *, qid: str | None = None,
-                seed: int | None = 0, model: str | None = None,
-                instruction: str = DEFAULT_INSTRUCTION) -> LongContext:
+def build_squad(
+    index: int | None = None,
+    context_tokens: int = 4096,
+    *,
+    qid: str | None = None,
+    seed: int | None = 0,
+    model: str | None = None,
+    instruction: str = DEFAULT_INSTRUCTION,
+) -> LongContext:
     """The long-context prompt for SQuAD 2.0 dev question `index` (or `qid`) at `context_tokens`:
     the question's paragraph first, then BM25-ranked negatives from the rest of the dev set."""
     _check_target(context_tokens)
@@ -408,23 +463,39 @@ def build_squad(index: int | None = None, context_tokens: int = 4096, *, qid: st
         for i in _squad_negatives(q.index, seed):
             yield pool.paragraphs[i]
 
-    chosen, origins, n = _fit(base, ["gold"], negatives(), q.question, context_tokens, model,
-                              instruction)
+    chosen, origins, n = _fit(
+        base, ["gold"], negatives(), q.question, context_tokens, model, instruction
+    )
     pt = prompt_tokenizer(model)
     return LongContext(
-        dataset="squad", question_id=q.id, question_index=q.index, question=q.question,
-        answers=q.answers, passages=tuple(chosen), origins=tuple(origins),
-        target_tokens=context_tokens, prompt_tokens=n,
-        request=chat_request(_segments(chosen), q.question, instruction), seed=seed,
-        model=pt.model, extra={"is_impossible": q.is_impossible, "article": q.title})
+        dataset="squad",
+        question_id=q.id,
+        question_index=q.index,
+        question=q.question,
+        answers=q.answers,
+        passages=tuple(chosen),
+        origins=tuple(origins),
+        target_tokens=context_tokens,
+        prompt_tokens=n,
+        request=chat_request(_segments(chosen), q.question, instruction),
+        seed=seed,
+        model=pt.model,
+        extra={"is_impossible": q.is_impossible, "article": q.title},
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # One long document, several questions
 
-def build_hotpotqa_shared(indices: tuple[int, ...] | list[int], context_tokens: int = 16384, *,
-                          seed: int | None = 0, model: str | None = None,
-                          instruction: str = DEFAULT_INSTRUCTION) -> list[LongContext]:
+
+def build_hotpotqa_shared(
+    indices: tuple[int, ...] | list[int],
+    context_tokens: int = 16384,
+    *,
+    seed: int | None = 0,
+    model: str | None = None,
+    instruction: str = DEFAULT_INSTRUCTION,
+) -> list[LongContext]:
     """One long document read by several HotpotQA dev questions, one LongContext per question.
 
     The document holds every question's own ten paragraphs (gold and distractors), question by
@@ -466,13 +537,29 @@ def build_hotpotqa_shared(indices: tuple[int, ...] | list[int], context_tokens: 
     for q in questions:
         gold, own = set(q.gold_titles), {p.title for p in q.paragraphs}
         request = chat_request(segs, q.question, instruction)
-        out.append(LongContext(
-            dataset="hotpotqa", question_id=q.id, question_index=q.index, question=q.question,
-            answers=(q.answer,), passages=tuple(chosen),
-            origins=tuple("gold" if p.title in gold else "distractor" if p.title in own
-                          else "negative" for p in chosen),
-            target_tokens=context_tokens, prompt_tokens=pt.request_tokens(request),
-            request=request, seed=seed, model=pt.model,
-            extra={"type": q.type, "level": q.level, "shared_document": key,
-                   "supporting_facts": [[t, k] for t, k in q.supporting_facts]}))
+        out.append(
+            LongContext(
+                dataset="hotpotqa",
+                question_id=q.id,
+                question_index=q.index,
+                question=q.question,
+                answers=(q.answer,),
+                passages=tuple(chosen),
+                origins=tuple(
+                    "gold" if p.title in gold else "distractor" if p.title in own else "negative"
+                    for p in chosen
+                ),
+                target_tokens=context_tokens,
+                prompt_tokens=pt.request_tokens(request),
+                request=request,
+                seed=seed,
+                model=pt.model,
+                extra={
+                    "type": q.type,
+                    "level": q.level,
+                    "shared_document": key,
+                    "supporting_facts": [[t, k] for t, k in q.supporting_facts],
+                },
+            )
+        )
     return out

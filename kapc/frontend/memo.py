@@ -41,9 +41,10 @@ class Memo:
         ks = list(keys)
         with self._lock:
             for i in range(0, len(ks), 500):
-                chunk = ks[i:i + 500]
+                chunk = ks[i : i + 500]
                 rows = self._db.execute(
-                    f"SELECT k, v FROM memo WHERE k IN ({','.join('?' * len(chunk))})", chunk)
+                    f"SELECT k, v FROM memo WHERE k IN ({','.join('?' * len(chunk))})", chunk
+                )
                 for k, v in rows:
                     out[keys[bytes(k)]] = bytes(v)
         return out
@@ -52,8 +53,10 @@ class Memo:
         if not items:
             return
         with self._lock:
-            self._db.executemany("INSERT OR REPLACE INTO memo (k, v) VALUES (?, ?)",
-                                 [(_key(kind, t), v) for t, v in items.items()])
+            self._db.executemany(
+                "INSERT OR REPLACE INTO memo (k, v) VALUES (?, ?)",
+                [(_key(kind, t), v) for t, v in items.items()],
+            )
             self._db.commit()
 
 

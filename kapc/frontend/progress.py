@@ -14,6 +14,7 @@ T = TypeVar("T")
 
 def _console():
     from rich.console import Console
+
     return Console(stderr=True)
 
 
@@ -37,8 +38,10 @@ def track(items: Iterable[T], description: str, total: int | None = None) -> Ite
         yield from items
         return
     from rich.progress import track as rich_track
-    yield from rich_track(items, description=description, total=total, console=_console(),
-                          transient=True)
+
+    yield from rich_track(
+        items, description=description, total=total, console=_console(), transient=True
+    )
 
 
 def steps(items: list[T], label: str, describe=str) -> Iterator[T]:

@@ -24,15 +24,20 @@ def question_text(question: str) -> str:
     return f"Question: {question}"
 
 
-def chat_request(passages: list[Segment], question: str,
-                 instruction: str = DEFAULT_INSTRUCTION) -> Request:
+def chat_request(
+    passages: list[Segment], question: str, instruction: str = DEFAULT_INSTRUCTION
+) -> Request:
     """The request shape every kapc frontend emits: a system message with the instruction, then
     one user message holding the passages in prompt order and the question last."""
-    return Request(messages=[
-        Message(role="system", segments=[Segment(text=instruction, kind="instruction")]),
-        Message(role="user", segments=[*passages, Segment(text=question_text(question),
-                                                          kind="question")]),
-    ])
+    return Request(
+        messages=[
+            Message(role="system", segments=[Segment(text=instruction, kind="instruction")]),
+            Message(
+                role="user",
+                segments=[*passages, Segment(text=question_text(question), kind="question")],
+            ),
+        ]
+    )
 
 
 @dataclass(frozen=True)
@@ -47,10 +52,15 @@ class PromptTokenizer:
     def render(self, request: Request) -> str:
         if request.messages is None:
             return "".join(s.text for s in request.raw or [])
-        messages = [{"role": m.role, "content": "".join(s.text for s in m.segments)}
-                    for m in request.messages]
-        return self.template.render(messages=messages, add_generation_prompt=True,
-                                    **{k: v or "" for k, v in self.special.items()})
+        messages = [
+            {"role": m.role, "content": "".join(s.text for s in m.segments)}
+            for m in request.messages
+        ]
+        return self.template.render(
+            messages=messages,
+            add_generation_prompt=True,
+            **{k: v or "" for k, v in self.special.items()},
+        )
 
     def count(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
@@ -77,7 +87,8 @@ def prompt_tokenizer(model: str | None = None) -> PromptTokenizer:
     assets = load_assets(model)
     tok = tokenizers.Tokenizer.from_str(assets.tokenizer_json.decode())
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -85,6 +96,11 @@ def prompt_tokenizer(model: str | None = None) -> PromptTokenizer:
     env.globals["raise_exception"] = raise_exception
     template_src = assets.chat_template or (
         "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\n' }}"
-        "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
-    return PromptTokenizer(model=assets.name, tokenizer=tok, template=env.from_string(template_src),
-                           special=dict(assets.special))
+        "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+    )
+    return PromptTokenizer(
+        model=assets.name,
+        tokenizer=tok,
+        template=env.from_string(template_src),
+        special=dict(assets.special),
+    )

@@ -22,6 +22,7 @@ RRF_K = 60
 # ---------------------------------------------------------------------------------------------
 # Sparse
 
+
 def sparse_scores(question: str, texts: list[str]) -> np.ndarray:
     """BM25 (Lucene variant, k1=1.5, b=0.75, English stopwords) of each text against the question,
     with the texts themselves as the corpus."""
@@ -53,8 +54,10 @@ def dense_model():
     pkg = require(DENSE_PACKAGE, DENSE_INSTALL)
     require("sentence_transformers", "sentence-transformers")
     from kapc.frontend.progress import status
+
     with status("loading all-MiniLM-L6-v2"):
         import transformers
+
         transformers.logging.set_verbosity_error()
         try:
             transformers.utils.logging.disable_progress_bar()
@@ -68,12 +71,14 @@ def _precision():
     fast on CPUs with AMX or AVX512-BF16; cosine to the float32 embeddings above 0.9999).
     The default is float32."""
     import contextlib
+
     mode = os.environ.get("KAPC_DENSE_PRECISION", "float32")
     if mode == "float32":
         return contextlib.nullcontext()
     if mode != "bfloat16":
         raise ValueError(f"KAPC_DENSE_PRECISION must be float32 or bfloat16, not {mode!r}")
     import torch
+
     return torch.autocast("cpu", dtype=torch.bfloat16)
 
 
@@ -89,15 +94,23 @@ class Embedder:
         missing = list(dict.fromkeys(t for t in texts if t not in self._cache))
         if missing:
             from kapc.frontend import memo
+
             kind = f"dense:{DENSE_MODEL}:{os.environ.get('KAPC_DENSE_PRECISION', 'float32')}"
-            found = {t: np.frombuffer(v, dtype=np.float32)
-                     for t, v in memo.get_many(kind, missing).items()}
+            found = {
+                t: np.frombuffer(v, dtype=np.float32)
+                for t, v in memo.get_many(kind, missing).items()
+            }
             todo = [t for t in missing if t not in found]
             if todo:
                 model = dense_model()
                 with _lock, _precision():
-                    vecs = model.encode(todo, batch_size=batch_size, normalize_embeddings=True,
-                                        convert_to_numpy=True, show_progress_bar=False)
+                    vecs = model.encode(
+                        todo,
+                        batch_size=batch_size,
+                        normalize_embeddings=True,
+                        convert_to_numpy=True,
+                        show_progress_bar=False,
+                    )
                 new = {t: np.asarray(v, dtype=np.float32) for t, v in zip(todo, vecs)}
                 memo.put_many(kind, {t: v.tobytes() for t, v in new.items()})
                 found.update(new)
@@ -125,6 +138,7 @@ def dense_scores(question: str, texts: list[str]) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------
 # Fusion
+
 
 def ranks(scores: np.ndarray) -> np.ndarray:
     """0-based rank of each item by descending score, ties broken by position."""

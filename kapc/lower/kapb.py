@@ -167,24 +167,33 @@ def _align(n: int) -> int:
 def decode_plan(data: bytes | memoryview, source: str = "<kapb>") -> Plan:
     buf = memoryview(data)
     if len(buf) < _PREFIX.size:
-        raise KapbError(f"{source}: truncated: {len(buf)} bytes is shorter than the "
-                        f"{_PREFIX.size}-byte .kapb prefix")
+        raise KapbError(
+            f"{source}: truncated: {len(buf)} bytes is shorter than the "
+            f"{_PREFIX.size}-byte .kapb prefix"
+        )
     magic, version, head_len, total, digest = _PREFIX.unpack_from(buf)
     if magic != MAGIC:
         raise KapbError(f"{source}: not a .kapb file (bad magic {bytes(magic)!r})")
     if version not in READS_VERSIONS:
-        newer = "newer than this kapc reads; upgrade kapc" if version > FORMAT_VERSION else \
-            "too old; recompile the plan"
-        raise KapbError(f"{source}: format version {version} is {newer} (this kapc reads "
-                        f"versions {', '.join(map(str, READS_VERSIONS))})")
+        newer = (
+            "newer than this kapc reads; upgrade kapc"
+            if version > FORMAT_VERSION
+            else "too old; recompile the plan"
+        )
+        raise KapbError(
+            f"{source}: format version {version} is {newer} (this kapc reads "
+            f"versions {', '.join(map(str, READS_VERSIONS))})"
+        )
     if len(buf) != total:
         what = "truncated" if len(buf) < total else "has trailing bytes"
         raise KapbError(f"{source}: {what}: {len(buf)} bytes, the header says {total}")
-    if hashlib.sha256(buf[_PREFIX.size:]).digest() != digest:
-        raise KapbError(f"{source}: checksum mismatch: the file is corrupt (SHA-256 of the body "
-                        f"does not match the one recorded at compile time)")
+    if hashlib.sha256(buf[_PREFIX.size :]).digest() != digest:
+        raise KapbError(
+            f"{source}: checksum mismatch: the file is corrupt (SHA-256 of the body "
+            f"does not match the one recorded at compile time)"
+        )
     try:
-        header = _header_decoder.decode(buf[_PREFIX.size:_PREFIX.size + head_len])
+        header = _header_decoder.decode(buf[_PREFIX.size : _PREFIX.size + head_len])
     except msgspec.DecodeError as exc:
         raise KapbError(f"{source}: unreadable header: {exc}") from None
     if version == 1:  # version 1 had no access policy: its plans read their own pages
@@ -194,14 +203,18 @@ def decode_plan(data: bytes | memoryview, source: str = "<kapb>") -> Plan:
     for ref in header.arrays:
         where = f"{source}: array {ref.name!r}"
         if ref.name not in _ARRAY_NAMES or ref.name in arrays:
-            raise KapbError(f"{where}: unknown or listed twice (a plan holds "
-                            f"{', '.join(_ARRAY_NAMES)} once each)")
+            raise KapbError(
+                f"{where}: unknown or listed twice (a plan holds "
+                f"{', '.join(_ARRAY_NAMES)} once each)"
+            )
         if ref.dtype != "<i4":
             raise KapbError(f"{where}: type {ref.dtype!r}, expected '<i4'")
         end = ref.offset + ref.count * 4
         if ref.count < 0 or ref.offset < floor or ref.offset % _ALIGN or end > total:
-            raise KapbError(f"{where}: {ref.count} entries at offset {ref.offset} lie outside the "
-                            f"file's array area ({floor}..{total})")
+            raise KapbError(
+                f"{where}: {ref.count} entries at offset {ref.offset} lie outside the "
+                f"file's array area ({floor}..{total})"
+            )
         floor = end
         arrays[ref.name] = np.frombuffer(buf, dtype="<i4", count=ref.count, offset=ref.offset)
     missing = [n for n in _ARRAY_NAMES if n not in arrays]
@@ -245,7 +258,9 @@ def plan_problem(plan: Plan) -> str | None:
     if plan.positions.size != want.size or not np.array_equal(plan.positions, want):
         return "positions are not the prompt tokens of the selected blocks"
     if h.visible_prompt_tokens != want.size:
-        return f"visible_prompt_tokens {h.visible_prompt_tokens}, the selected blocks hold {want.size}"
+        return (
+            f"visible_prompt_tokens {h.visible_prompt_tokens}, the selected blocks hold {want.size}"
+        )
     if abs(h.retained_ratio - want.size / n) > 1e-6:
         return f"retained_ratio {h.retained_ratio} is not visible/prompt tokens ({want.size}/{n})"
     if h.padded_blocks < blocks.size:
@@ -265,8 +280,10 @@ def plan_problem(plan: Plan) -> str | None:
     if access:
         return access
     if c.k != h.k or not 1 <= c.batch <= MAX_BATCH or c.weight_bytes < 0 or c.kv_bytes < 0:
-        return (f"cost: k={c.k} must be the plan's ({h.k}), batch={c.batch} within 1..{MAX_BATCH}, "
-                f"byte counts not negative")
+        return (
+            f"cost: k={c.k} must be the plan's ({h.k}), batch={c.batch} within 1..{MAX_BATCH}, "
+            f"byte counts not negative"
+        )
     return None
 
 
@@ -282,25 +299,36 @@ class PlanMismatch(KapbError):
     """The plan was compiled for another model, tokenizer, block size or prompt."""
 
 
-def check_plan_matches(plan: Plan, *, model_fingerprint: str | None = None,
-                       tokenizer_fingerprint: str | None = None, block_size: int | None = None,
-                       prompt_token_ids=None) -> None:
+def check_plan_matches(
+    plan: Plan,
+    *,
+    model_fingerprint: str | None = None,
+    tokenizer_fingerprint: str | None = None,
+    block_size: int | None = None,
+    prompt_token_ids=None,
+) -> None:
     """Raise PlanMismatch naming the first thing that differs between the plan and the request."""
     h = plan.header
     if model_fingerprint is not None and model_fingerprint != h.model_fingerprint:
-        raise PlanMismatch(f"plan {h.name!r} was compiled for another model ({h.model}, "
-                           f"{h.model_fingerprint[:19]}), this engine runs {model_fingerprint[:19]}")
+        raise PlanMismatch(
+            f"plan {h.name!r} was compiled for another model ({h.model}, "
+            f"{h.model_fingerprint[:19]}), this engine runs {model_fingerprint[:19]}"
+        )
     if tokenizer_fingerprint is not None and tokenizer_fingerprint != h.tokenizer_fingerprint:
         raise PlanMismatch(f"plan {h.name!r} was compiled with another tokenizer")
     if block_size is not None and block_size != h.block_size:
-        raise PlanMismatch(f"plan {h.name!r} was compiled for block size {h.block_size}, "
-                           f"the engine uses {block_size}")
+        raise PlanMismatch(
+            f"plan {h.name!r} was compiled for block size {h.block_size}, "
+            f"the engine uses {block_size}"
+        )
     if prompt_token_ids is not None:
         got = prompt_hash(prompt_token_ids)
         if got != h.prompt_hash:
-            raise PlanMismatch(f"plan {h.name!r} was compiled for another prompt "
-                               f"({h.prompt_tokens} tokens, {h.prompt_hash[:19]}), the request has "
-                               f"{len(prompt_token_ids)} tokens, {got[:19]}")
+            raise PlanMismatch(
+                f"plan {h.name!r} was compiled for another prompt "
+                f"({h.prompt_tokens} tokens, {h.prompt_hash[:19]}), the request has "
+                f"{len(prompt_token_ids)} tokens, {got[:19]}"
+            )
 
 
 AcceptRule = Literal["greedy", "top2", "top3", "top4", "top5"]

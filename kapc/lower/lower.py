@@ -29,26 +29,35 @@ class LowerError(KapcError):
 
 def lower_module(module: Module, ctx: CompileContext) -> bytes:
     if "compact" not in module.kap.passes:
-        raise LowerError(f"cannot lower module {module.kap.name!r}: it has not been through "
-                         f"`compact` (passes so far: {', '.join(module.kap.passes) or 'none'})")
+        raise LowerError(
+            f"cannot lower module {module.kap.name!r}: it has not been through "
+            f"`compact` (passes so far: {', '.join(module.kap.passes) or 'none'})"
+        )
     assets, target = ctx.assets, module.target
     if target.fingerprint != assets.fingerprint or target.tokenizer != assets.tokenizer_fingerprint:
-        raise LowerError(f"module {module.kap.name!r} was aligned for model {target.model} "
-                         f"({target.fingerprint[:19]}), but the model given is {assets.name} "
-                         f"({assets.fingerprint[:19]}); pass --model for the model it was made for")
+        raise LowerError(
+            f"module {module.kap.name!r} was aligned for model {target.model} "
+            f"({target.fingerprint[:19]}), but the model given is {assets.name} "
+            f"({assets.fingerprint[:19]}); pass --model for the model it was made for"
+        )
     rendered, tokens = ctx.tokenize.prompt(module)
     name = module.kap.name
     if tokens.hash != module.prompt.hash or len(tokens.ids) != module.prompt.tokens:
-        raise LowerError(f"module {name!r}: the prompt tokenizes to {len(tokens.ids)} tokens "
-                         f"({tokens.hash[:19]}), not the {module.prompt.tokens} "
-                         f"({module.prompt.hash[:19]}) recorded by align-spans (was it edited?)")
+        raise LowerError(
+            f"module {name!r}: the prompt tokenizes to {len(tokens.ids)} tokens "
+            f"({tokens.hash[:19]}), not the {module.prompt.tokens} "
+            f"({module.prompt.hash[:19]}) recorded by align-spans (was it edited?)"
+        )
     # Spans are facts about the prompt, not choices: a plan must not rest on edited ones.
-    for seg, span, (first, last) in zip(module.segment, module.span,
-                                        tokens.segment_spans(rendered, module)):
+    for seg, span, (first, last) in zip(
+        module.segment, module.span, tokens.segment_spans(rendered, module)
+    ):
         if (span.tokens.start, span.tokens.end) != (first, last):
-            raise LowerError(f"module {name!r}: span %{span.id} says tokens "
-                             f"{span.tokens.start}..{span.tokens.end}, the prompt puts segment "
-                             f"%{seg.id} at {first}..{last} (was it edited?)")
+            raise LowerError(
+                f"module {name!r}: span %{span.id} says tokens "
+                f"{span.tokens.start}..{span.tokens.end}, the prompt puts segment "
+                f"%{seg.id} at {first}..{last} (was it edited?)"
+            )
 
     pages, bs, n = module.pages, module.pages.block_size, module.prompt.tokens
     blocks = np.concatenate([np.arange(r.start, r.end, dtype=np.int32) for r in pages.selected])
@@ -56,21 +65,43 @@ def lower_module(module: Module, ctx: CompileContext) -> bytes:
     positions = positions[positions < n]
     c, f = module.cost, module.fallback
     header = PlanHeader(
-        name=module.kap.name, kapc_version=__version__, model=target.model,
-        model_fingerprint=target.fingerprint, tokenizer_fingerprint=target.tokenizer,
-        template_fingerprint=target.template, block_size=bs, prompt_tokens=n,
-        prompt_hash=module.prompt.hash, visible_prompt_tokens=pages.visible,
-        retained_ratio=pages.retained, padded_blocks=module.view.padded_blocks,
-        k=module.verify.k, accept=module.verify.accept,
-        fallback=FallbackPolicy(max_retained=f.max_retained, min_acceptance=f.min_acceptance,
-                                acceptance_window=f.acceptance_window,
-                                on_predicted_loss=f.on_predicted_loss,
-                                min_separation=f.min_separation),
-        cost=CostPrediction(weight_bytes=c.weight_bytes, kv_bytes=c.kv_bytes, batch=c.batch, s=c.s,
-                            h=c.h, k=c.k, speedup=c.speedup, pays=c.pays, basis=c.basis,
-                            break_even=c.break_even, p=c.p),
-        access=access_policy(module.access), prior_separation=(
-            module.select.separation if module.select is not None else None))
+        name=module.kap.name,
+        kapc_version=__version__,
+        model=target.model,
+        model_fingerprint=target.fingerprint,
+        tokenizer_fingerprint=target.tokenizer,
+        template_fingerprint=target.template,
+        block_size=bs,
+        prompt_tokens=n,
+        prompt_hash=module.prompt.hash,
+        visible_prompt_tokens=pages.visible,
+        retained_ratio=pages.retained,
+        padded_blocks=module.view.padded_blocks,
+        k=module.verify.k,
+        accept=module.verify.accept,
+        fallback=FallbackPolicy(
+            max_retained=f.max_retained,
+            min_acceptance=f.min_acceptance,
+            acceptance_window=f.acceptance_window,
+            on_predicted_loss=f.on_predicted_loss,
+            min_separation=f.min_separation,
+        ),
+        cost=CostPrediction(
+            weight_bytes=c.weight_bytes,
+            kv_bytes=c.kv_bytes,
+            batch=c.batch,
+            s=c.s,
+            h=c.h,
+            k=c.k,
+            speedup=c.speedup,
+            pays=c.pays,
+            basis=c.basis,
+            break_even=c.break_even,
+            p=c.p,
+        ),
+        access=access_policy(module.access),
+        prior_separation=(module.select.separation if module.select is not None else None),
+    )
     data = encode_plan(header, tokens.ids, blocks, positions)
     try:
         decode_plan(data, f"plan {name!r}")  # the reader's consistency checks, at the writer

@@ -51,15 +51,30 @@ _budget = _TokenBudget()
 def _parser() -> lark.Lark:
     grammar = resources.files("kapc.parse").joinpath("kap.lark").read_text()
     terminals = ("ATTR", "NAME", "REF", "ANCHOR", "RANGE", "NUMBER", "STRING")
-    return lark.Lark(grammar, parser="lalr", propagate_positions=True, maybe_placeholders=True,
-                     lexer_callbacks={t: _budget for t in terminals})
+    return lark.Lark(
+        grammar,
+        parser="lalr",
+        propagate_positions=True,
+        maybe_placeholders=True,
+        lexer_callbacks={t: _budget for t in terminals},
+    )
 
 
 _TOKEN_NAMES = {
-    "ATTR": "an attribute (name=value)", "NAME": "a name", "REF": "a reference (%id)",
-    "ANCHOR": "an anchor (%id@start..end)", "RANGE": "a range (start..end)",
-    "NUMBER": "a number", "STRING": "a string", "LSQB": "'['", "RSQB": "']'", "LBRACE": "'{'",
-    "RBRACE": "'}'", "COMMA": "','", "EQUAL": "'='", "$END": "end of file",
+    "ATTR": "an attribute (name=value)",
+    "NAME": "a name",
+    "REF": "a reference (%id)",
+    "ANCHOR": "an anchor (%id@start..end)",
+    "RANGE": "a range (start..end)",
+    "NUMBER": "a number",
+    "STRING": "a string",
+    "LSQB": "'['",
+    "RSQB": "']'",
+    "LBRACE": "'{'",
+    "RBRACE": "'}'",
+    "COMMA": "','",
+    "EQUAL": "'='",
+    "$END": "end of file",
 }
 
 
@@ -75,8 +90,9 @@ class SourceMap:
 
     def error(self, message: str, keyword: str | None = None, index: int = 0) -> KapError:
         line, column, width = self.at.get((keyword, index), (0, 0, 1)) if keyword else (0, 0, 1)
-        return KapError(message, path=self.path, source=self.text, line=line, column=column,
-                        width=width)
+        return KapError(
+            message, path=self.path, source=self.text, line=line, column=column, width=width
+        )
 
 
 def parse_module(text: str, path: str = "<kap>") -> Module:
@@ -85,6 +101,7 @@ def parse_module(text: str, path: str = "<kap>") -> Module:
 
 def parse_located(text: str, path: str = "<kap>") -> tuple[Module, SourceMap]:
     """Parse `.kap` text; also return where each statement stands."""
+
     def fail(message: str, line: int, column: int, width: int = 1) -> typing.NoReturn:
         raise KapError(message, path=path, source=text, line=line, column=column, width=width)
 
@@ -92,12 +109,21 @@ def parse_located(text: str, path: str = "<kap>") -> tuple[Module, SourceMap]:
     try:
         tree = _parser().parse(text)
     except _TooManyTokens as exc:
-        fail(f"more than {MAX_KAP_TOKENS:,} tokens: larger than a .kap may be (docs/limits.md); "
-             f"compile the prior.json instead", exc.tok.line, exc.tok.column)
+        fail(
+            f"more than {MAX_KAP_TOKENS:,} tokens: larger than a .kap may be (docs/limits.md); "
+            f"compile the prior.json instead",
+            exc.tok.line,
+            exc.tok.column,
+        )
     except lark.UnexpectedCharacters as exc:
         char = text[exc.pos_in_stream]
-        fail("unterminated string (or a raw control character inside it)" if char == '"'
-             else f"unexpected character {ascii(char)}", exc.line, exc.column)
+        fail(
+            "unterminated string (or a raw control character inside it)"
+            if char == '"'
+            else f"unexpected character {ascii(char)}",
+            exc.line,
+            exc.column,
+        )
     except lark.UnexpectedToken as exc:
         tok = exc.token
         expected = sorted({_TOKEN_NAMES.get(e, e) for e in exc.expected})
@@ -114,30 +140,53 @@ def parse_located(text: str, path: str = "<kap>") -> tuple[Module, SourceMap]:
         keyword, ref, *attrs = stmt.children
         if keyword not in STATEMENTS:
             hint = difflib.get_close_matches(str(keyword), STATEMENTS, n=1)
-            fail(f"unknown statement {excerpt(str(keyword), 40)}"
-                 + (f"; did you mean {hint[0]!r}?" if hint else ""),
-                 keyword.line, keyword.column, len(keyword))
+            fail(
+                f"unknown statement {excerpt(str(keyword), 40)}"
+                + (f"; did you mean {hint[0]!r}?" if hint else ""),
+                keyword.line,
+                keyword.column,
+                len(keyword),
+            )
         cls, many = STATEMENTS[keyword]
         if not many and collected[keyword]:
             prev = first_at[keyword]
-            fail(f"a second {str(keyword)!r} statement (the first is at line {prev.line})",
-                 keyword.line, keyword.column, len(keyword))
+            fail(
+                f"a second {str(keyword)!r} statement (the first is at line {prev.line})",
+                keyword.line,
+                keyword.column,
+                len(keyword),
+            )
         first_at.setdefault(str(keyword), keyword)
-        where.at[(str(keyword), len(collected[keyword]))] = (keyword.line, keyword.column,
-                                                             len(keyword))
+        where.at[(str(keyword), len(collected[keyword]))] = (
+            keyword.line,
+            keyword.column,
+            len(keyword),
+        )
         collected[keyword].append(_build(cls, keyword, ref, attrs, fail))
 
     if not collected["kap"]:
-        fail("a .kap module starts with a `kap` statement (kap version=1 name=\"...\" request=chat)",
-             1, 1)
+        fail(
+            'a .kap module starts with a `kap` statement (kap version=1 name="..." request=chat)',
+            1,
+            1,
+        )
     header = collected["kap"][0]
     if header.version != KAP_VERSION:
         at = first_at["kap"]
-        newer = "newer than this kapc reads; upgrade kapc" if header.version > KAP_VERSION else \
-            "not a version kapc ever wrote"
-        fail(f".kap version {header.version} is {newer} (this kapc reads version {KAP_VERSION})",
-             at.line, at.column, len(at))
-    fields = {k: (tuple(v) if STATEMENTS[k][1] else (v[0] if v else None)) for k, v in collected.items()}
+        newer = (
+            "newer than this kapc reads; upgrade kapc"
+            if header.version > KAP_VERSION
+            else "not a version kapc ever wrote"
+        )
+        fail(
+            f".kap version {header.version} is {newer} (this kapc reads version {KAP_VERSION})",
+            at.line,
+            at.column,
+            len(at),
+        )
+    fields = {
+        k: (tuple(v) if STATEMENTS[k][1] else (v[0] if v else None)) for k, v in collected.items()
+    }
     return Module(**fields), where
 
 
@@ -163,9 +212,13 @@ def read_kap_text(path: str | Path) -> str:
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         line_start = data.rfind(b"\n", 0, exc.start) + 1
-        column = len(data[line_start:exc.start].decode("utf-8", "replace")) + 1  # characters
-        raise KapError(f"not UTF-8: byte 0x{data[exc.start]:02x} at byte offset {exc.start}",
-                       path=str(path), line=line, column=column) from None
+        column = len(data[line_start : exc.start].decode("utf-8", "replace")) + 1  # characters
+        raise KapError(
+            f"not UTF-8: byte 0x{data[exc.start]:02x} at byte offset {exc.start}",
+            path=str(path),
+            line=line,
+            column=column,
+        ) from None
     return text
 
 
@@ -188,17 +241,26 @@ def _build(cls, keyword, ref, attrs, fail):
         key = str(key_tok).rstrip("=") if attr.data == "attr" else json.loads(key_tok)
         if key not in fields or key == "id":
             hint = difflib.get_close_matches(key, [f for f in fields if f != "id"], n=1)
-            fail(f"{keyword!s} has no attribute {excerpt(key, 40)}"
-                 + (f"; did you mean {hint[0]!r}?" if hint else ""),
-                 key_tok.line, key_tok.column, len(key_tok))
+            fail(
+                f"{keyword!s} has no attribute {excerpt(key, 40)}"
+                + (f"; did you mean {hint[0]!r}?" if hint else ""),
+                key_tok.line,
+                key_tok.column,
+                len(key_tok),
+            )
         if key in values:
             fail(f"attribute {key!r} given twice", key_tok.line, key_tok.column, len(key_tok))
         values[key] = _convert(value_tree, fields[key][0], f"{keyword!s}.{key}", fail)
     missing = [n for n, (_, required) in fields.items() if required and n not in values]
     if missing:
-        fail(f"{keyword!s} is missing " + ", ".join(f"{m!r}" for m in missing)
-             + (" (write it as %id after the keyword)" if "id" in missing else ""),
-             keyword.line, keyword.column, len(keyword))
+        fail(
+            f"{keyword!s} is missing "
+            + ", ".join(f"{m!r}" for m in missing)
+            + (" (write it as %id after the keyword)" if "id" in missing else ""),
+            keyword.line,
+            keyword.column,
+            len(keyword),
+        )
     return cls(**values)
 
 
@@ -220,13 +282,18 @@ def _position(tree) -> tuple[int, int, int]:
 def _convert(tree, hint, what: str, fail):
     """Turn a parsed value into the Python value `hint` asks for, or fail at its position."""
     kind = tree.data if isinstance(tree, lark.Tree) else None
-    tok = tree.children[0] if kind in ("string", "number", "range", "anchor", "ref", "name") else None
+    tok = (
+        tree.children[0] if kind in ("string", "number", "range", "anchor", "ref", "name") else None
+    )
 
     def wrong(expected: str) -> typing.NoReturn:
         shown = str(tok) if tok is not None else {"list": "a list", "map": "a map"}.get(kind, kind)
         if len(shown) > 40:
             shown = shown[:37] + "..."
-        fail(f"{what}: expected {expected}, got {shown}", *_position(tok if tok is not None else tree))
+        fail(
+            f"{what}: expected {expected}, got {shown}",
+            *_position(tok if tok is not None else tree),
+        )
 
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is typing.Annotated:
@@ -297,8 +364,12 @@ def _convert(tree, hint, what: str, fail):
             key_tok, value_tree = attr.children
             key = str(key_tok).rstrip("=") if attr.data == "attr" else json.loads(key_tok)
             if key in out:
-                fail(f"{what}: key {excerpt(key, 40)} given twice", key_tok.line, key_tok.column,
-                     len(key_tok))
+                fail(
+                    f"{what}: key {excerpt(key, 40)} given twice",
+                    key_tok.line,
+                    key_tok.column,
+                    len(key_tok),
+                )
             out[key] = _convert(value_tree, args[1], f"{what}.{key}", fail)
         return out
     raise TypeError(f"no text form for {hint!r}")

@@ -23,8 +23,11 @@ def statement_fields(cls: type[Node]) -> tuple[tuple[str, object, bool, object],
     out = []
     for f in msgspec.structs.fields(cls):
         required = f.required
-        default = None if required else (f.default if f.default is not msgspec.NODEFAULT
-                                         else f.default_factory())
+        default = (
+            None
+            if required
+            else (f.default if f.default is not msgspec.NODEFAULT else f.default_factory())
+        )
         out.append((f.name, hints[f.name], required, default))
     return tuple(out)
 
@@ -35,7 +38,7 @@ def print_module(module: Module, elide: int | None = None) -> str:
     lines = []
     for keyword, (_cls, many) in STATEMENTS.items():
         value = getattr(module, keyword)
-        for stmt in (value if many else ([] if value is None else [value])):
+        for stmt in value if many else ([] if value is None else [value]):
             lines.append(print_statement(keyword, stmt, elide))
     return "\n".join(lines) + "\n"
 
@@ -91,5 +94,9 @@ def format_value(value, hint) -> str:
     if isinstance(value, dict):
         _, item = typing.get_args(hint)
         keys = (k if _BARE.match(k) else json.dumps(k, ensure_ascii=False) for k in value)
-        return "{" + ", ".join(f"{k}={format_value(v, item)}" for k, v in zip(keys, value.values())) + "}"
+        return (
+            "{"
+            + ", ".join(f"{k}={format_value(v, item)}" for k, v in zip(keys, value.values()))
+            + "}"
+        )
     raise TypeError(f"no text form for {type(value).__name__}")

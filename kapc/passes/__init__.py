@@ -9,7 +9,9 @@ from kapc.passes.ground import Ground
 from kapc.passes.resolve_pages import ResolvePages
 from kapc.passes.select import Select
 
-PASSES: dict[str, type[Pass]] = {p.name: p for p in (Ground, AlignSpans, Select, ResolvePages, Compact)}
+PASSES: dict[str, type[Pass]] = {
+    p.name: p for p in (Ground, AlignSpans, Select, ResolvePages, Compact)
+}
 
 # Evidence-driven selection by default: the 5 best passages, one more per doubling of the
 # passages beyond 16, within half the prompt (max_retained). Over 500 HotpotQA questions (graph frontend) that
@@ -19,4 +21,11 @@ DEFAULT_SELECT_OPTIONS = {"budget-ratio": 0.5, "keep-top": 5, "keep-growth": 1}
 DEFAULT_SELECT = "select{" + ",".join(f"{k}={v}" for k, v in DEFAULT_SELECT_OPTIONS.items()) + "}"
 DEFAULT_PIPELINE = f"ground,align-spans,{DEFAULT_SELECT},resolve-pages,compact"
 
-__all__ = ["PASSES", "DEFAULT_PIPELINE", "DEFAULT_SELECT_OPTIONS", "CompileContext", "Pass", "PassError"]
+__all__ = [
+    "PASSES",
+    "DEFAULT_PIPELINE",
+    "DEFAULT_SELECT_OPTIONS",
+    "CompileContext",
+    "Pass",
+    "PassError",
+]

@@ -21,8 +21,9 @@ class CompileContext:
     """What passes may consult besides the IR: the target model's assets, loaded on first use, and
     a tokenization memo shared by every pass and by lowering."""
 
-    def __init__(self, model: str | None = None, assets: ModelAssets | None = None,
-                 engine: str | None = None):
+    def __init__(
+        self, model: str | None = None, assets: ModelAssets | None = None, engine: str | None = None
+    ):
         self.model_spec = model
         self._assets = assets
         self.engine = engine  # the target engine (kapc.policy.ENGINE_BLOCK_SIZE), if named
@@ -51,8 +52,9 @@ class Pass:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, float) and not math.isfinite(value):
-                raise PassError(f"{self.name}: option {f.name.replace('_', '-')}={value} is not "
-                                f"a finite number")
+                raise PassError(
+                    f"{self.name}: option {f.name.replace('_', '-')}={value} is not a finite number"
+                )
         problem = self.option_problem()
         if problem:
             raise PassError(f"{self.name}: {problem}")
@@ -66,8 +68,11 @@ class Pass:
 
     def options_text(self) -> str:
         """The options that differ from the defaults, in pipeline syntax."""
-        changed = [f"{f.name.replace('_', '-')}={_fmt(getattr(self, f.name))}"
-                   for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
+        changed = [
+            f"{f.name.replace('_', '-')}={_fmt(getattr(self, f.name))}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != f.default
+        ]
         return "{" + ",".join(changed) + "}" if changed else ""
 
 

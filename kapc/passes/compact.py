@@ -94,15 +94,22 @@ class Compact(Pass):
         if isinstance(self.access_budget, str) and self.access_budget != "plan":
             return f"access-budget must be a ratio or plan, not {excerpt(self.access_budget)}"
         budget = 0.5 if self.access_budget == "plan" else self.access_budget
-        return access_problem(AccessPolicy(mode=self.access, budget=budget, proxy=self.proxy,
-                                           mix=("in",) if self.mix else ()))
+        return access_problem(
+            AccessPolicy(
+                mode=self.access, budget=budget, proxy=self.proxy, mix=("in",) if self.mix else ()
+            )
+        )
 
     def run(self, module: ir.Module, ctx: CompileContext) -> ir.Module:
         pages, target, n = module.pages, module.target, module.prompt.tokens
         width = sum(len(r) for r in pages.selected)
         tail_block = pages.blocks - 1
-        view = ir.View(blocks=width, padded_blocks=padded_view(width),
-                       tail_block=tail_block, tail_slot=(width - 1) * pages.block_size)
+        view = ir.View(
+            blocks=width,
+            padded_blocks=padded_view(width),
+            tail_block=tail_block,
+            tail_slot=(width - 1) * pages.block_size,
+        )
 
         weights = target.parameters * self.dtype_bytes
         kv = n * target.kv_elements_per_token * self.dtype_bytes
@@ -115,13 +122,22 @@ class Compact(Pass):
         if profile is not None:
             # a profile without a query-aware model: the plan's pages' model at the same s, which
             # measured lower (docs/access.md), so the prediction errs towards full context
-            fit = (profile.acceptance_fit(self.accept, self.access)
-                   or profile.acceptance_fit(self.accept))
+            fit = profile.acceptance_fit(self.accept, self.access) or profile.acceptance_fit(
+                self.accept
+            )
             p = fit.p(drafted, n) if fit is not None else p
-        pred = predict(s=drafted, p=p, k=None if self.k == "auto" else self.k, batch=self.batch,
-                       context=n, profile=profile, weight_bytes=weights, kv_bytes=kv,
-                       chooses_pages=self.access != "static",
-                       tolerant=parse_accept(self.accept) > 1)
+        pred = predict(
+            s=drafted,
+            p=p,
+            k=None if self.k == "auto" else self.k,
+            batch=self.batch,
+            context=n,
+            profile=profile,
+            weight_bytes=weights,
+            kv_bytes=kv,
+            chooses_pages=self.access != "static",
+            tolerant=parse_accept(self.accept) > 1,
+        )
         speedup = round(pred.speedup, 4)
         # Memory-bound predictions are known to be wrong on some hardware (DESIGN.md): only a
         # measured profile's break-even may stop a runtime.
@@ -129,30 +145,65 @@ class Compact(Pass):
         if profile is not None:
             floor = max(floor, pred.break_even if pred.break_even is not None else 1.0)
         pays_from = self._pays_from(ctx, profile, fit, pred, drafted, p, kv / n, weights)
-        cost = ir.Cost(dtype_bytes=self.dtype_bytes, batch=self.batch, weight_bytes=weights,
-                       kv_bytes=kv, s=s, h=round(pred.h, 6), k=pred.k, speedup=speedup,
-                       pays=speedup > 1.0, p=round(p, 6), basis=pred.basis,
-                       break_even=pred.break_even, by_k=pred.by_k, pays_from=pays_from)
+        cost = ir.Cost(
+            dtype_bytes=self.dtype_bytes,
+            batch=self.batch,
+            weight_bytes=weights,
+            kv_bytes=kv,
+            s=s,
+            h=round(pred.h, 6),
+            k=pred.k,
+            speedup=speedup,
+            pays=speedup > 1.0,
+            p=round(p, 6),
+            basis=pred.basis,
+            break_even=pred.break_even,
+            by_k=pred.by_k,
+            pays_from=pays_from,
+        )
         return msgspec.structs.replace(
-            module, view=view, verify=ir.Verify(k=pred.k, accept=self.accept),
+            module,
+            view=view,
+            verify=ir.Verify(k=pred.k, accept=self.accept),
             access=self._access(target.fingerprint, budget),
-            fallback=ir.Fallback(max_retained=self.max_retained, min_acceptance=round(floor, 6),
-                                 acceptance_window=self.acceptance_window,
-                                 on_predicted_loss=self.on_predicted_loss,
-                                 min_separation=self.min_separation),
-            cost=cost)
+            fallback=ir.Fallback(
+                max_retained=self.max_retained,
+                min_acceptance=round(floor, 6),
+                acceptance_window=self.acceptance_window,
+                on_predicted_loss=self.on_predicted_loss,
+                min_separation=self.min_separation,
+            ),
+            cost=cost,
+        )
 
-    def _pays_from(self, ctx: CompileContext, profile, fit, pred, s: float, p: float,
-                   kv_per_token: float, weights: float) -> int:
+    def _pays_from(
+        self,
+        ctx: CompileContext,
+        profile,
+        fit,
+        pred,
+        s: float,
+        p: float,
+        kv_per_token: float,
+        weights: float,
+    ) -> int:
         """The shortest prompt from which this plan's s, k and batch pay (the paper's KV_crit),
         with the profile's acceptance at each length where it has a model; 0: at no length up to
         the model's positions."""
+
         def speedup_at(context: int) -> float:
-            return plan_speedup(s=s, p=fit.p(s, context) if fit is not None else p, k=pred.k,
-                                batch=self.batch, context=context, profile=profile,
-                                weight_bytes=weights, kv_bytes=kv_per_token * context,
-                                chooses_pages=self.access != "static",
-                                tolerant=parse_accept(self.accept) > 1)
+            return plan_speedup(
+                s=s,
+                p=fit.p(s, context) if fit is not None else p,
+                k=pred.k,
+                batch=self.batch,
+                context=context,
+                profile=profile,
+                weight_bytes=weights,
+                kv_bytes=kv_per_token * context,
+                chooses_pages=self.access != "static",
+                tolerant=parse_accept(self.accept) > 1,
+            )
 
         return critical_context(speedup_at, ctx.assets.context_tokens()) or 0
 
@@ -169,11 +220,19 @@ class Compact(Pass):
             except KapcError as exc:
                 raise PassError(f"compact: {exc}") from None
             if found.model_fingerprint != fingerprint:
-                raise PassError(f"compact: proxy calibration {self.mix} was made for another "
-                                f"model ({found.model}, {found.model_fingerprint[:19]})")
+                raise PassError(
+                    f"compact: proxy calibration {self.mix} was made for another "
+                    f"model ({found.model}, {found.model_fingerprint[:19]})"
+                )
             mix, file, digest = found.mix, self.mix, found.digest
-        return ir.Access(mode=self.access, budget=round(budget, 6), proxy=self.proxy,
-                         mix=mix or (), mix_file=file, mix_digest=digest)
+        return ir.Access(
+            mode=self.access,
+            budget=round(budget, 6),
+            proxy=self.proxy,
+            mix=mix or (),
+            mix_file=file,
+            mix_digest=digest,
+        )
 
     def _profile(self, ctx: CompileContext, fingerprint: str):
         from kapc.profile import ProfileError, find_profile, load_profile
@@ -183,8 +242,10 @@ class Compact(Pass):
         if self.profile != "auto":
             profile = load_profile(self.profile)
             if profile.model_fingerprint != fingerprint:
-                raise PassError(f"compact: profile {self.profile} was calibrated for another model "
-                                f"({profile.model}, {profile.model_fingerprint[:19]})")
+                raise PassError(
+                    f"compact: profile {self.profile} was calibrated for another model "
+                    f"({profile.model}, {profile.model_fingerprint[:19]})"
+                )
             return profile
         if ctx.engine is None:
             return None

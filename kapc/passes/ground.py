@@ -55,8 +55,11 @@ class Ground(Pass):
         evidence = []
         for pid in passages:
             own_part = sum(own[pid]) / len(own[pid]) if own[pid] else 0.0
-            prior = own_part if not graph_units else \
-                (1 - self.graph_weight) * own_part + self.graph_weight * graph[pid]
+            prior = (
+                own_part
+                if not graph_units
+                else (1 - self.graph_weight) * own_part + self.graph_weight * graph[pid]
+            )
             # Six digits keep golden files readable and are far finer than any score's meaning.
             evidence.append(ir.Evidence(id=pid, prior=round(prior, 6), sources=tuple(sources[pid])))
         return msgspec.structs.replace(module, evidence=tuple(evidence))

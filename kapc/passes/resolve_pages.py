@@ -36,12 +36,17 @@ class ResolvePages(Pass):
         hit = np.zeros(blocks, dtype=bool)
         for k in module.keep:
             if len(k.tokens):
-                hit[k.tokens.start // bs:(k.tokens.end - 1) // bs + 1] = True
+                hit[k.tokens.start // bs : (k.tokens.end - 1) // bs + 1] = True
         hit[-1] = True  # the tail
         selected = _runs(hit)
         visible = int(hit[:-1].sum()) * bs + (n - (blocks - 1) * bs)
-        pages = ir.Pages(block_size=bs, blocks=blocks, selected=tuple(selected),
-                         retained=round(visible / n, 6), visible=visible)
+        pages = ir.Pages(
+            block_size=bs,
+            blocks=blocks,
+            selected=tuple(selected),
+            retained=round(visible / n, 6),
+            visible=visible,
+        )
         return msgspec.structs.replace(module, pages=pages)
 
 

@@ -75,8 +75,10 @@ class Select(Pass):
     def option_problem(self) -> str | None:
         for name in ("budget_tokens", "sink", "window", "keep_top"):
             if not 0 <= getattr(self, name) <= MAX_PROMPT_TOKENS:
-                return (f"{name.replace('_', '-')} must be within 0..{MAX_PROMPT_TOKENS}, not "
-                        f"{getattr(self, name)}")
+                return (
+                    f"{name.replace('_', '-')} must be within 0..{MAX_PROMPT_TOKENS}, not "
+                    f"{getattr(self, name)}"
+                )
         if not 0.0 < self.budget_ratio <= 1.0:
             return f"budget-ratio must be within (0, 1], not {self.budget_ratio}"
         if not 0.0 <= self.min_prior <= 1.0:
@@ -93,7 +95,8 @@ class Select(Pass):
         if budget >= n:
             raise PassError(
                 f"select: the budget of {budget} tokens is not below the prompt's {n} tokens, so the "
-                f"plan would read the whole KV cache; lower the budget or decode without a plan")
+                f"plan would read the whole KV cache; lower the budget or decode without a plan"
+            )
 
         spans = module.spans_by_id()
         keeps: list[ir.Keep] = [ir.Keep(tokens=ir.Range(0, min(self.sink, n)), why="sink")]
@@ -112,13 +115,14 @@ class Select(Pass):
         # A token mask keeps the greedy loop linear in the prompt length (5,000 units at 128K tokens).
         mask = np.zeros(n, dtype=bool)
         for k in keeps:
-            mask[k.tokens.start:k.tokens.end] = True
+            mask[k.tokens.start : k.tokens.end] = True
         mandatory = int(mask.sum())
         if mandatory > budget:
             raise PassError(
                 f"select: the budget of {budget} tokens is below the {mandatory} tokens that must stay "
                 f"visible (attention sink, instruction, question, template, recent window); raise the "
-                f"budget or shrink sink/window")
+                f"budget or shrink sink/window"
+            )
 
         order = sorted(enumerate(module.evidence), key=lambda ie: (-ie[1].prior, ie[0]))
         dropped = []
@@ -127,16 +131,21 @@ class Select(Pass):
         cap = self.passage_cap(len(module.evidence))
         for _, ev in order:
             span = spans[ev.id].tokens
-            cost = len(span) - int(np.count_nonzero(mask[span.start:span.end]))
+            cost = len(span) - int(np.count_nonzero(mask[span.start : span.end]))
             wanted = (not cap or taken < cap) and ev.prior >= self.min_prior
             if wanted and used + cost <= budget:
                 keeps.append(ir.Keep(id=ev.id, tokens=span, why="evidence", prior=ev.prior))
-                mask[span.start:span.end] = True
+                mask[span.start : span.end] = True
                 used += cost
                 taken += 1
             else:
                 dropped.append(ev.id)
         keeps.sort(key=lambda k: (k.tokens.start, k.tokens.end))
-        select = ir.Select(budget=budget, kept=used, mandatory=mandatory, dropped=tuple(dropped),
-                           separation=separation(module.evidence, dropped))
+        select = ir.Select(
+            budget=budget,
+            kept=used,
+            mandatory=mandatory,
+            dropped=tuple(dropped),
+            separation=separation(module.evidence, dropped),
+        )
         return msgspec.structs.replace(module, select=select, keep=tuple(keeps))

@@ -38,9 +38,15 @@ def causal_tail_mask(q: int, dtype: torch.dtype, device) -> torch.Tensor | None:
     return torch.zeros(q, q, dtype=dtype, device=device).masked_fill_(upper, float("-inf"))
 
 
-def in_place(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-             rows: list[RowContext], scale: float, groups: int,
-             masks: dict[int, torch.Tensor | None]) -> torch.Tensor:
+def in_place(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    rows: list[RowContext],
+    scale: float,
+    groups: int,
+    masks: dict[int, torch.Tensor | None],
+) -> torch.Tensor:
     """q [N, heads, head_dim] packed by row; k_pool, v_pool [kv_heads, slots, head_dim] (one
     layer, slot-indexed) -> attention output [N, heads * head_dim]. `masks` caches
     `causal_tail_mask` by q."""
@@ -49,23 +55,27 @@ def in_place(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     out = q.new_empty(N, nh * hd)
     for r in rows:
         # [q, kvh, g, hd] -> [kvh, g*q, hd]: each KV head's query rows, grouped then by token
-        Q = q[r.offset:r.offset + r.q].view(r.q, kvh, groups, hd).permute(1, 2, 0, 3) \
+        Q = (
+            q[r.offset : r.offset + r.q]
+            .view(r.q, kvh, groups, hd)
+            .permute(1, 2, 0, 3)
             .reshape(kvh, groups * r.q, hd)
-        scores = [torch.matmul(Q, k_pool[:, s:s + n].transpose(1, 2)) for s, n in r.runs]
+        )
+        scores = [torch.matmul(Q, k_pool[:, s : s + n].transpose(1, 2)) for s, n in r.runs]
         S = (scores[0] if len(scores) == 1 else torch.cat(scores, dim=-1)).mul_(scale)
         mask = masks.get(r.q)
         if mask is None and r.q not in masks:
             mask = masks[r.q] = causal_tail_mask(r.q, S.dtype, S.device)
         if mask is not None:
             T = S.shape[-1]
-            S.view(kvh, groups, r.q, T)[..., T - r.q:].add_(mask)
+            S.view(kvh, groups, r.q, T)[..., T - r.q :].add_(mask)
         P = torch.softmax(S, dim=-1)
         acc, t = None, 0
         for s, n in r.runs:
-            part = torch.matmul(P[..., t:t + n], v_pool[:, s:s + n])
+            part = torch.matmul(P[..., t : t + n], v_pool[:, s : s + n])
             acc = part if acc is None else acc.add_(part)
             t += n
-        out[r.offset:r.offset + r.q] = acc.view(kvh, groups, r.q, hd).permute(2, 0, 1, 3) \
-            .reshape(r.q, nh * hd)
+        out[r.offset : r.offset + r.q] = (
+            acc.view(kvh, groups, r.q, hd).permute(2, 0, 1, 3).reshape(r.q, nh * hd)
+        )
     return out
-

@@ -133,9 +133,11 @@ class Partial:
         return part
 
     def add(self, point: tuple, samples: list[StepSample], extra: dict | None = None) -> None:
-        rec = {"point": list(point),
-               "samples": [[s.kind, s.batch, s.query, s.visible, s.seconds] for s in samples],
-               **(extra or {})}
+        rec = {
+            "point": list(point),
+            "samples": [[s.kind, s.batch, s.query, s.visible, s.seconds] for s in samples],
+            **(extra or {}),
+        }
         self.done[tuple(point)] = rec
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
@@ -143,8 +145,12 @@ class Partial:
 
     def samples(self, kinds: tuple[str, ...] | None = None) -> list[StepSample]:
         """The step samples of the points measured so far (of `kinds` of point only, if given)."""
-        return [StepSample(*s) for rec in self.done.values()
-                if kinds is None or rec["point"][0] in kinds for s in rec["samples"]]
+        return [
+            StepSample(*s)
+            for rec in self.done.values()
+            if kinds is None or rec["point"][0] in kinds
+            for s in rec["samples"]
+        ]
 
     def engine_setup(self, name: str) -> str:
         """What kapc's engine ran with for the points measured on it (`name` of ENGINE_SETUP; ''
@@ -161,7 +167,14 @@ class Partial:
         return out
 
 
-MEASURES = ("plain", "resting", "cycle", "select", "tolerant", "acceptance")  # the grid's kinds of point
+MEASURES = (
+    "plain",
+    "resting",
+    "cycle",
+    "select",
+    "tolerant",
+    "acceptance",
+)  # the grid's kinds of point
 # how kapc's engine ran while measured, as the bench reports it and the profile records it
 ENGINE_SETUP = ("attention_kernel", "draft_weights")
 
@@ -182,9 +195,11 @@ def measure_point(bench, grid: Grid, point: tuple) -> tuple[list[StepSample], di
         c = bench.cycle(L, B, s, q, grid.steps, access=grid.draft_access)
         chose = [StepSample("select", B, 1, L, c.select)] if c.select > 0 else []
         rested = [StepSample("resting", B, 1, L, rest)] if rest is not None else []
-        return [StepSample("draft", B, 1, max(1, round(s * L)), c.draft),
-                StepSample("propose", B, 1, L, c.propose),
-                StepSample("verify", B, q, L, c.verify)] + chose + rested, None
+        return [
+            StepSample("draft", B, 1, max(1, round(s * L)), c.draft),
+            StepSample("propose", B, 1, L, c.propose),
+            StepSample("verify", B, q, L, c.verify),
+        ] + chose + rested, None
     if kind == "select":
         c = bench.cycle(L, B, s, q, grid.steps, access="hybrid")
         return [StepSample("select", B, 1, L, c.select)], None
@@ -194,9 +209,16 @@ def measure_point(bench, grid: Grid, point: tuple) -> tuple[list[StepSample], di
     return [], {"acceptance": bench.acceptance(grid, L)}
 
 
-def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
-              out: str | Path | None = None, base: Profile | None = None,
-              only: tuple[str, ...] = MEASURES) -> tuple[Profile, Path]:
+def calibrate(
+    bench,
+    grid: Grid,
+    *,
+    resume: bool = True,
+    progress: bool = True,
+    out: str | Path | None = None,
+    base: Profile | None = None,
+    only: tuple[str, ...] = MEASURES,
+) -> tuple[Profile, Path]:
     """Measure `grid` on `bench`, fit, save; returns the profile and where it was written.
     With `base`, only the points of the kinds in `only` (of MEASURES) are measured, and the
     base's samples and acceptance models of the other kinds are kept."""
@@ -205,14 +227,21 @@ def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
 
     key = profile_key(bench.engine, bench.fingerprint, bench.dtype, bench.device, bench.threads)
     part = Partial.open(profiles_dir() / f"{key}.partial.jsonl", resume)
-    todo = [p for p in grid.points() if tuple(p) not in part.done
-            and (base is None or p[0] in only)]
+    todo = [
+        p for p in grid.points() if tuple(p) not in part.done and (base is None or p[0] in only)
+    ]
     console = Console(stderr=True)
     if len(todo) < len(grid.points()) and base is None:
-        console.print(f"kapc calibrate: resuming {key}: {len(grid.points()) - len(todo)} of "
-                      f"{len(grid.points())} points already measured")
-    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
-               "{task.total}"), TimeElapsedColumn())
+        console.print(
+            f"kapc calibrate: resuming {key}: {len(grid.points()) - len(todo)} of "
+            f"{len(grid.points())} points already measured"
+        )
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console, disable=not progress) as bar:
         task = bar.add_task("calibrating", total=len(todo))
         for point in todo:
@@ -224,36 +253,56 @@ def calibrate(bench, grid: Grid, *, resume: bool = True, progress: bool = True,
             if setup and kind != "plain":  # measured on kapc's engine, set up like this
                 extra = {**(extra or {}), **setup}
             part.add(point, samples, extra)
-            bar.console.print(f"  {kind:10} L={L:<5} B={B:<3}" + (f" s={s:<5} q={q}" if q > 1 else "")
-                              + "  " + ", ".join(f"{x.kind} {x.seconds * 1000:.1f} ms" for x in samples)
-                              + (f"  acceptance {extra['acceptance']}"
-                                 if extra and "acceptance" in extra else "")
-                              + f"  ({time.perf_counter() - t0:.0f}s)")
+            bar.console.print(
+                f"  {kind:10} L={L:<5} B={B:<3}"
+                + (f" s={s:<5} q={q}" if q > 1 else "")
+                + "  "
+                + ", ".join(f"{x.kind} {x.seconds * 1000:.1f} ms" for x in samples)
+                + (f"  acceptance {extra['acceptance']}" if extra and "acceptance" in extra else "")
+                + f"  ({time.perf_counter() - t0:.0f}s)"
+            )
             bar.advance(task)
     bench.close()
     setup = {name: getattr(bench, name, "") or part.engine_setup(name) for name in ENGINE_SETUP}
     # with a base, a partial file left by an interrupted full run may hold other kinds of point
     samples = part.samples(None if base is None else only)
-    acceptance = {rule: fit for rule, pts in part.acceptance_points().items()
-                  if (fit := fit_acceptance(pts)) is not None}
+    acceptance = {
+        rule: fit
+        for rule, pts in part.acceptance_points().items()
+        if (fit := fit_acceptance(pts)) is not None
+    }
     if base is not None:
         again = {x.kind for x in samples}  # the step kinds measured anew replace the base's
         samples = [x for x in base.samples if x.kind not in again] + samples
         if "acceptance" not in only:
             acceptance = dict(base.acceptance)
-        profile = msgspec.structs.replace(base, samples=tuple(samples), created=now(),
-                                          fits=fit_steps(samples) if again else base.fits,
-                                          acceptance=acceptance,
-                                          **{name: v or getattr(base, name)
-                                             for name, v in setup.items()})
+        profile = msgspec.structs.replace(
+            base,
+            samples=tuple(samples),
+            created=now(),
+            fits=fit_steps(samples) if again else base.fits,
+            acceptance=acceptance,
+            **{name: v or getattr(base, name) for name, v in setup.items()},
+        )
         path = save_profile(profile, out)
         part.path.unlink(missing_ok=True)
         return profile, path
-    profile = Profile(engine=bench.engine, engine_version=bench.engine_version, model=bench.model,
-                      model_fingerprint=bench.fingerprint, dtype=bench.dtype, device=bench.device,
-                      threads=bench.threads, block_size=bench.block_size, created=now(),
-                      samples=tuple(samples), fits=fit_steps(samples),
-                      acceptance=acceptance, note=bench.note, **setup)
+    profile = Profile(
+        engine=bench.engine,
+        engine_version=bench.engine_version,
+        model=bench.model,
+        model_fingerprint=bench.fingerprint,
+        dtype=bench.dtype,
+        device=bench.device,
+        threads=bench.threads,
+        block_size=bench.block_size,
+        created=now(),
+        samples=tuple(samples),
+        fits=fit_steps(samples),
+        acceptance=acceptance,
+        note=bench.note,
+        **setup,
+    )
     path = save_profile(profile, out)
     part.path.unlink(missing_ok=True)
     return profile, path
@@ -280,8 +329,12 @@ def cycle_times(log: list[tuple], rows: int, q: int) -> CycleTimes:
             draft.append((rec[5] - rec[6]) / (q - 1))
             propose.append(rec[1] - rec[0] - rec[5])
             select.append(rec[6])
-    return CycleTimes(draft=median_step(draft), propose=median_step(propose),
-                      verify=median_step(verify), select=median_step(select))
+    return CycleTimes(
+        draft=median_step(draft),
+        propose=median_step(propose),
+        verify=median_step(verify),
+        select=median_step(select),
+    )
 
 
 def acceptance_points(results: list[dict], k: int) -> list[tuple[float, int, float, int]]:
@@ -293,8 +346,14 @@ def acceptance_points(results: list[dict], k: int) -> list[tuple[float, int, flo
         cycles = r["proposed"] / k if k else 0
         tried = cycles + sum(per_pos[:-1])
         if tried > 0 and r.get("retained_ratio"):
-            pts.append((float(r["retained_ratio"]), int(r["prompt_tokens"]),
-                        sum(per_pos) / tried, int(tried)))
+            pts.append(
+                (
+                    float(r["retained_ratio"]),
+                    int(r["prompt_tokens"]),
+                    sum(per_pos) / tried,
+                    int(tried),
+                )
+            )
     return pts
 
 
@@ -309,8 +368,9 @@ def access_of(mode: str, plans) -> list | None:
     return [AccessPolicy(mode=mode, budget=decode_plan(p).header.retained_ratio) for p in plans]
 
 
-def build_acceptance_cases(grid: Grid, context: int, block_size: int,
-                           k: int) -> list[tuple[list[int], list[bytes]]]:
+def build_acceptance_cases(
+    grid: Grid, context: int, block_size: int, k: int
+) -> list[tuple[list[int], list[bytes]]]:
     """Prompt ids and plan bytes (one per budget) for the calibration split at `context` tokens.
     Runs the frontend: call it in a child process before starting an in-process vLLM engine."""
     from kapc.compiler import compile_to_kapb
@@ -322,10 +382,16 @@ def build_acceptance_cases(grid: Grid, context: int, block_size: int,
     cases = []
     for i in range(CALIBRATION_QUESTIONS, CALIBRATION_QUESTIONS + grid.acceptance_questions):
         prior = hotpotqa_prior(i, context_tokens=context)
-        plans = [compile_to_kapb(prior, f"ground,align-spans,select{{budget-ratio={b}}},"
-                                 f"resolve-pages{{block-size={block_size}}},"
-                                 f"compact{{k={k},profile=none,access=static}}", ctx)
-                 for b in grid.budgets]
+        plans = [
+            compile_to_kapb(
+                prior,
+                f"ground,align-spans,select{{budget-ratio={b}}},"
+                f"resolve-pages{{block-size={block_size}}},"
+                f"compact{{k={k},profile=none,access=static}}",
+                ctx,
+            )
+            for b in grid.budgets
+        ]
         ids = [int(t) for t in decode_plan(plans[0]).prompt_token_ids]
         cases.append((ids, plans))
     return cases
@@ -356,9 +422,18 @@ class ReferenceBench:
     engine = "reference"
     engine_version = "kapc"
 
-    def __init__(self, block_size: int = 16, threads: int | None = None, device: str = "cpu",
-                 dtype: str | None = None, max_context: int = 8192, max_batch: int = 16,
-                 model=None, prompts=None, kv_cache_gib: float | None = None):
+    def __init__(
+        self,
+        block_size: int = 16,
+        threads: int | None = None,
+        device: str = "cpu",
+        dtype: str | None = None,
+        max_context: int = 8192,
+        max_batch: int = 16,
+        model=None,
+        prompts=None,
+        kv_cache_gib: float | None = None,
+    ):
         """`model`: a RuntimeModel to use instead of the default (benchmarks.gpu passes a
         random-weight one); `prompts(rows, tokens)`: the timing prompts (default: HotpotQA)."""
         import torch
@@ -368,8 +443,9 @@ class ReferenceBench:
         if threads:
             torch.set_num_threads(threads)
         self.m = model or load_model(device=device, dtype=getattr(torch, dtype) if dtype else None)
-        self._make_prompts = prompts or (lambda rows, tokens: timing_prompts(rows, tokens,
-                                                                             self.m.path))
+        self._make_prompts = prompts or (
+            lambda rows, tokens: timing_prompts(rows, tokens, self.m.path)
+        )
         self._kv_cache_gib = kv_cache_gib
         self.block_size = block_size
         self.model, self.fingerprint = self.m.name, self.m.fingerprint
@@ -386,9 +462,13 @@ class ReferenceBench:
 
         if self._ex is None:
             need = self._max_batch * (self._max_context + 1024) * self.m.kv_bytes_per_token()
-            self._ex = Executor(self.m, block_size=self.block_size,
-                                kv_cache_gib=self._kv_cache_gib or max(1.0, 2.5 * need / 2**30),
-                                prefix_cache=True, honor_predicted_loss=False)
+            self._ex = Executor(
+                self.m,
+                block_size=self.block_size,
+                kv_cache_gib=self._kv_cache_gib or max(1.0, 2.5 * need / 2**30),
+                prefix_cache=True,
+                honor_predicted_loss=False,
+            )
         return self._ex
 
     def _rows(self, L: int, B: int) -> list[list[int]]:
@@ -402,15 +482,24 @@ class ReferenceBench:
         ex = self._executor()
         rows = self._rows(L, B)
         ex.generate([Request(ids, max_tokens=1) for ids in rows])  # prefill into the prefix cache
-        _, stats = ex.generate([Request(ids, max_tokens=steps + 1, ignore_eos=True)
-                                for ids in rows])
+        _, stats = ex.generate(
+            [Request(ids, max_tokens=steps + 1, ignore_eos=True) for ids in rows]
+        )
         return stats.verify_s / max(1, stats.verify_forwards)
 
     def resting(self, L: int, B: int, steps: int) -> float:
         return self.plain(L, B, steps)  # the executor has one decode path with or without plans
 
-    def cycle(self, L: int, B: int, s: float, q: int, steps: int,
-              access: str = "static", accept: str = "greedy") -> CycleTimes:
+    def cycle(
+        self,
+        L: int,
+        B: int,
+        s: float,
+        q: int,
+        steps: int,
+        access: str = "static",
+        accept: str = "greedy",
+    ) -> CycleTimes:
         from kapc.lower.kapb import FallbackPolicy
         from kapc.policy import AccessPolicy
         from kapc.runtime.executor import Request
@@ -419,17 +508,36 @@ class ReferenceBench:
         ex = self._executor()
         keep = FallbackPolicy(min_acceptance=0.0, max_retained=1.0)
         policy = None if access == "static" else AccessPolicy(mode=access, budget=s)
-        reqs = [Request(ids, plan=plan_from_blocks(self.m, ids, spread_blocks(L, self.block_size, s),
-                                                   block_size=self.block_size, k=q - 1, pays=True,
-                                                   fallback=keep),
-                        access=policy, max_tokens=steps * q, ignore_eos=True, accept=accept)
-                for ids in self._rows(L, B)]
+        reqs = [
+            Request(
+                ids,
+                plan=plan_from_blocks(
+                    self.m,
+                    ids,
+                    spread_blocks(L, self.block_size, s),
+                    block_size=self.block_size,
+                    k=q - 1,
+                    pays=True,
+                    fallback=keep,
+                ),
+                access=policy,
+                max_tokens=steps * q,
+                ignore_eos=True,
+                accept=accept,
+            )
+            for ids in self._rows(L, B)
+        ]
         _, st = ex.generate(reqs)
-        return CycleTimes(draft=(st.proposal_s - st.select_s) / max(1, st.draft_forwards),
-                          propose=0.0, verify=st.verify_s / max(1, st.verify_forwards),
-                          select=st.select_s / max(1, st.cycles))
+        return CycleTimes(
+            draft=(st.proposal_s - st.select_s) / max(1, st.draft_forwards),
+            propose=0.0,
+            verify=st.verify_s / max(1, st.verify_forwards),
+            select=st.select_s / max(1, st.cycles),
+        )
 
-    def acceptance(self, grid: Grid, context: int) -> dict[str, list[tuple[float, int, float, int]]]:
+    def acceptance(
+        self, grid: Grid, context: int
+    ) -> dict[str, list[tuple[float, int, float, int]]]:
         from kapc.lower.kapb import decode_plan
         from kapc.runtime.executor import Request
 
@@ -440,15 +548,33 @@ class ReferenceBench:
             for mode in grid.access_modes:
                 access = access_of(mode, plans) or [None] * len(plans)
                 for rule in grid.rules:
-                    res, _ = ex.generate([Request(ids, plan=decode_plan(p), accept=rule,
-                                                  access=a, max_tokens=grid.acceptance_tokens,
-                                                  ignore_eos=True)
-                                          for p, a in zip(plans, access)])
-                    pts.setdefault(acceptance_key(rule, mode), []).extend(acceptance_points(
-                    [{"proposed": r.proposed, "retained_ratio": r.retained_ratio,
-                          "prompt_tokens": r.prompt_tokens,
-                          "accepted_per_pos": r.accepted_per_pos}
-                         for r in res], k))
+                    res, _ = ex.generate(
+                        [
+                            Request(
+                                ids,
+                                plan=decode_plan(p),
+                                accept=rule,
+                                access=a,
+                                max_tokens=grid.acceptance_tokens,
+                                ignore_eos=True,
+                            )
+                            for p, a in zip(plans, access)
+                        ]
+                    )
+                    pts.setdefault(acceptance_key(rule, mode), []).extend(
+                        acceptance_points(
+                            [
+                                {
+                                    "proposed": r.proposed,
+                                    "retained_ratio": r.retained_ratio,
+                                    "prompt_tokens": r.prompt_tokens,
+                                    "accepted_per_pos": r.accepted_per_pos,
+                                }
+                                for r in res
+                            ],
+                            k,
+                        )
+                    )
         return pts
 
     def close(self) -> None:
@@ -457,9 +583,11 @@ class ReferenceBench:
 
 def show(profile: Profile) -> str:
     """A readable summary of a profile: what was measured, and how well the fits match."""
-    lines = [f"profile {profile.key}  ({profile.engine} {profile.engine_version}, {profile.model}, "
-             f"{profile.dtype} on {profile.device}, {profile.threads} threads, block size "
-             f"{profile.block_size}, {profile.created})"]
+    lines = [
+        f"profile {profile.key}  ({profile.engine} {profile.engine_version}, {profile.model}, "
+        f"{profile.dtype} on {profile.device}, {profile.threads} threads, block size "
+        f"{profile.block_size}, {profile.created})"
+    ]
     if profile.note:
         lines.append(f"  note: {profile.note}")
     if profile.attention_kernel:
@@ -467,32 +595,55 @@ def show(profile: Profile) -> str:
     if profile.draft_weights:
         lines.append(f"  draft forwards read: {profile.draft_weights}")
     if "plain" in profile.fits and "resting" in profile.fits:
-        gains = [profile.seconds("plain", B, L) / profile.seconds("resting", B, L)
-                 for L in (2048, 8192) for B in (1, 8)]
-        lines.append(f"  kapc's engine without plans decodes {min(gains):.2f}x to {max(gains):.2f}x "
-                     f"as fast as plain decoding (resting against plain, 2K-8K x 1-8); plans are "
-                     f"predicted against resting")
+        gains = [
+            profile.seconds("plain", B, L) / profile.seconds("resting", B, L)
+            for L in (2048, 8192)
+            for B in (1, 8)
+        ]
+        lines.append(
+            f"  kapc's engine without plans decodes {min(gains):.2f}x to {max(gains):.2f}x "
+            f"as fast as plain decoding (resting against plain, 2K-8K x 1-8); plans are "
+            f"predicted against resting"
+        )
     if "verify" in profile.fits and "verify_tolerant" in profile.fits:
-        extra = [profile.seconds("verify_tolerant", B, L, q) / profile.seconds("verify", B, L, q)
-                 for L in (2048, 8192) for B in (1, 8) for q in (3, 9)]
-        lines.append(f"  top-N verification costs {min(extra):.2f}x to {max(extra):.2f}x a greedy "
-                     f"one (2K-8K x 1-8, q 3-9)")
+        extra = [
+            profile.seconds("verify_tolerant", B, L, q) / profile.seconds("verify", B, L, q)
+            for L in (2048, 8192)
+            for B in (1, 8)
+            for q in (3, 9)
+        ]
+        lines.append(
+            f"  top-N verification costs {min(extra):.2f}x to {max(extra):.2f}x a greedy "
+            f"one (2K-8K x 1-8, q 3-9)"
+        )
     for kind, fit in profile.fits.items():
-        terms = " + ".join(f"{c * 1e3:.4g}ms*{f}" if f != "1" else f"{c * 1e3:.4g}ms"
-                           for f, c in zip(fit.features, fit.coef) if c > 0)
-        lines.append(f"  {kind:15} {fit.samples:3d} samples, rms rel. error {fit.rel_error:.1%}: "
-                     f"{terms or '0'}")
+        terms = " + ".join(
+            f"{c * 1e3:.4g}ms*{f}" if f != "1" else f"{c * 1e3:.4g}ms"
+            for f, c in zip(fit.features, fit.coef)
+            if c > 0
+        )
+        lines.append(
+            f"  {kind:15} {fit.samples:3d} samples, rms rel. error {fit.rel_error:.1%}: "
+            f"{terms or '0'}"
+        )
     lines.append(f"  {'kind':15} {'B':>3} {'q':>2} {'visible':>7} {'measured':>10} {'fitted':>10}")
     for smp in profile.samples:
-        fitted = profile.seconds(smp.kind, smp.batch, smp.visible, smp.query) \
-            if smp.kind in profile.fits else float("nan")
-        lines.append(f"  {smp.kind:15} {smp.batch:>3} {smp.query:>2} {smp.visible:>7} "
-                     f"{smp.seconds * 1e3:>8.1f}ms {fitted * 1e3:>8.1f}ms")
+        fitted = (
+            profile.seconds(smp.kind, smp.batch, smp.visible, smp.query)
+            if smp.kind in profile.fits
+            else float("nan")
+        )
+        lines.append(
+            f"  {smp.kind:15} {smp.batch:>3} {smp.query:>2} {smp.visible:>7} "
+            f"{smp.seconds * 1e3:>8.1f}ms {fitted * 1e3:>8.1f}ms"
+        )
     for rule, a in profile.acceptance.items():
         pts = ", ".join(f"s={s:.3f} L={L}: p={p:.2f} ({n})" for s, L, p, n in a.points)
-        lines.append(f"  acceptance {rule}: logit p = {a.a:.3f} + {a.b:.3f} log s + {a.c:.3f} "
-                     f"log(L/4096); p(s=0.1, L=4096) = {a.p(0.1, 4096):.2f}, p(0.1, 8192) = "
-                     f"{a.p(0.1, 8192):.2f}; measured {pts}")
+        lines.append(
+            f"  acceptance {rule}: logit p = {a.a:.3f} + {a.b:.3f} log s + {a.c:.3f} "
+            f"log(L/4096); p(s=0.1, L=4096) = {a.p(0.1, 4096):.2f}, p(0.1, 8192) = "
+            f"{a.p(0.1, 8192):.2f}; measured {pts}"
+        )
     lines += pays_from_table(profile)
     return "\n".join(lines)
 
@@ -507,16 +658,22 @@ def pays_from_table(profile: Profile) -> list[str]:
     from kapc.policy import profile_pays_from
 
     if not {"draft", "verify"} <= set(profile.fits) or not (
-            {"plain", "resting"} & set(profile.fits)):
+        {"plain", "resting"} & set(profile.fits)
+    ):
         return []
     batches = sorted({x.batch for x in profile.samples if x.kind == "verify"})
     measured = max((x.visible for x in profile.samples), default=0)
     fit = profile.acceptance_fit("greedy")
-    where = ("the profile's greedy acceptance model at each length" if fit is not None else
-             "p = 0.8 (the compiler's default: the profile measured no acceptance)")
-    lines = [f"  a plan pays from (the paper's KV_crit, tokens of context; greedy, the best k, "
-             f"{where}; * past the longest context measured, {measured:,}):",
-             "  " + f"{'s':>6}" + "".join(f"{'B=' + str(b):>10}" for b in batches)]
+    where = (
+        "the profile's greedy acceptance model at each length"
+        if fit is not None
+        else "p = 0.8 (the compiler's default: the profile measured no acceptance)"
+    )
+    lines = [
+        f"  a plan pays from (the paper's KV_crit, tokens of context; greedy, the best k, "
+        f"{where}; * past the longest context measured, {measured:,}):",
+        "  " + f"{'s':>6}" + "".join(f"{'B=' + str(b):>10}" for b in batches),
+    ]
     for s in PAYS_FROM_S:
         cells = []
         for b in batches:
@@ -536,8 +693,11 @@ def plot(profile: Profile, path: str | Path) -> Path:
     kinds = [k for k in FEATURES if k in profile.fits]
     fig, axes = plt.subplots(1, len(kinds), figsize=(3.2 * len(kinds), 3.2), squeeze=False)
     for ax, kind in zip(axes[0], kinds):
-        pts = [(s.seconds * 1e3, profile.seconds(kind, s.batch, s.visible, s.query) * 1e3, s.batch)
-               for s in profile.samples if s.kind == kind]
+        pts = [
+            (s.seconds * 1e3, profile.seconds(kind, s.batch, s.visible, s.query) * 1e3, s.batch)
+            for s in profile.samples
+            if s.kind == kind
+        ]
         m, f, b = (np.array(x) for x in zip(*pts))
         sc = ax.scatter(m, f, c=np.log2(b), cmap="viridis", s=18)
         hi = max(m.max(), f.max()) * 1.05

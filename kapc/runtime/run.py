@@ -22,24 +22,51 @@ def _model_for(plan: Plan, model, device, dtype):
         if spec is not None and spec not in MODELS and not Path(spec).is_dir():
             raise ModelError(
                 f"plan {plan.header.name!r} was compiled for model {name!r}; pass the model folder "
-                f"(model=...)")
+                f"(model=...)"
+            )
     return load_model(spec, device=device, dtype=dtype)
 
 
-def run_plan_file(path: str | Path, accept: str | None = None, k: int | None = None,
-                  max_tokens: int = 128, compare_full: bool = False, model=None,
-                  device: str = "cpu", dtype=None, force: bool = False) -> dict:
+def run_plan_file(
+    path: str | Path,
+    accept: str | None = None,
+    k: int | None = None,
+    max_tokens: int = 128,
+    compare_full: bool = False,
+    model=None,
+    device: str = "cpu",
+    dtype=None,
+    force: bool = False,
+) -> dict:
     """Load `path`, decode its prompt under the plan, and return the metrics as a plain dict
     (JSON-ready). Raises kapc.lower.kapb.PlanMismatch when the plan does not fit the model.
     `force`: run the plan even where its cost model predicts a loss (to measure it)."""
-    return run_plan(read_plan(path), accept=accept, k=k, max_tokens=max_tokens,
-                    compare_full=compare_full, model=model, device=device, dtype=dtype,
-                    source=str(path), force=force)
+    return run_plan(
+        read_plan(path),
+        accept=accept,
+        k=k,
+        max_tokens=max_tokens,
+        compare_full=compare_full,
+        model=model,
+        device=device,
+        dtype=dtype,
+        source=str(path),
+        force=force,
+    )
 
 
-def run_plan(plan: Plan, accept: str | None = None, k: int | None = None, max_tokens: int = 128,
-             compare_full: bool = False, model=None, device: str = "cpu", dtype=None,
-             source: str = "<plan>", force: bool = False) -> dict:
+def run_plan(
+    plan: Plan,
+    accept: str | None = None,
+    k: int | None = None,
+    max_tokens: int = 128,
+    compare_full: bool = False,
+    model=None,
+    device: str = "cpu",
+    dtype=None,
+    source: str = "<plan>",
+    force: bool = False,
+) -> dict:
     from kapc.policy import parse_accept
     from kapc.runtime.executor import Executor, Request
 
@@ -50,14 +77,20 @@ def run_plan(plan: Plan, accept: str | None = None, k: int | None = None, max_to
     kk = int(k if k is not None else h.k)
     per_seq = h.prompt_tokens + max_tokens + kk + 2 * h.block_size
     blocks = 3 * (-(-per_seq // h.block_size)) + 4  # request, its full-context twin, prefix entry
-    ex = Executor(m, block_size=h.block_size, kv_blocks=blocks, prefix_cache=compare_full,
-                  honor_predicted_loss=not force)
+    ex = Executor(
+        m,
+        block_size=h.block_size,
+        kv_blocks=blocks,
+        prefix_cache=compare_full,
+        honor_predicted_loss=not force,
+    )
     ids = plan.prompt_token_ids
     full_res = full_stats = None
     if compare_full:
         (full_res,), full_stats = ex.generate([Request(ids, max_tokens=max_tokens)])
-    (res,), stats = ex.generate([Request(ids, plan=plan, max_tokens=max_tokens, accept=accept,
-                                         k=k)])
+    (res,), stats = ex.generate(
+        [Request(ids, plan=plan, max_tokens=max_tokens, accept=accept, k=k)]
+    )
     ex.clear_prefix_cache()
     tok = m.tokenizer
     out = {
@@ -86,9 +119,15 @@ def run_plan(plan: Plan, accept: str | None = None, k: int | None = None, max_to
         "tokens_per_cycle": res.tokens_per_cycle,
         "cycles": res.cycles,
         "speedup_predicted": h.cost.speedup,
-        "cost": {"weight_bytes": h.cost.weight_bytes, "kv_bytes": h.cost.kv_bytes,
-                 "batch": h.cost.batch, "s": h.cost.s, "h": h.cost.h, "k": h.cost.k,
-                 "pays": h.cost.pays},
+        "cost": {
+            "weight_bytes": h.cost.weight_bytes,
+            "kv_bytes": h.cost.kv_bytes,
+            "batch": h.cost.batch,
+            "s": h.cost.s,
+            "h": h.cost.h,
+            "k": h.cost.k,
+            "pays": h.cost.pays,
+        },
         "timing": stats.as_dict(),
     }
     if compare_full:
@@ -119,35 +158,57 @@ def format_report(result: dict):
     t.add_column()
     t.add_row("plan", f"{r['plan']} ({r['source']})")
     t.add_row("model", f"{r['model']} on {r['device']} ({r['dtype']})")
-    mode = r["mode"] + (f"  [yellow]fallback: {r['fallback_reason']}[/]"
-                        if r.get("fallback_reason") else "")
+    mode = r["mode"] + (
+        f"  [yellow]fallback: {r['fallback_reason']}[/]" if r.get("fallback_reason") else ""
+    )
     t.add_row("mode", mode)
     if r.get("note"):
         t.add_row("note", r["note"])
     t.add_row("prompt", f"{r['prompt_tokens']} tokens, block size {r['block_size']}")
-    t.add_row("retained s", f"{_fmt(r['retained_ratio'])} executed "
-                            f"(plan {_fmt(r['plan_retained_ratio'])}, "
-                            f"{r['visible_prompt_tokens']} visible prompt tokens)")
-    t.add_row("acceptance h", f"{_fmt(r['acceptance_rate'])} ({r['accepted']}/{r['proposed']} "
-                              f"proposed, rule {r['accept']}, k={r['k']})")
+    t.add_row(
+        "retained s",
+        f"{_fmt(r['retained_ratio'])} executed "
+        f"(plan {_fmt(r['plan_retained_ratio'])}, "
+        f"{r['visible_prompt_tokens']} visible prompt tokens)",
+    )
+    t.add_row(
+        "acceptance h",
+        f"{_fmt(r['acceptance_rate'])} ({r['accepted']}/{r['proposed']} "
+        f"proposed, rule {r['accept']}, k={r['k']})",
+    )
     t.add_row("tokens/cycle", _fmt(r["tokens_per_cycle"], ".2f"))
     tm = r["timing"]
-    t.add_row("decode", f"{r['generated_tokens']} tokens in {tm['decode_s']:.2f}s "
-                        f"({_fmt(tm['decode_tok_per_s'], '.1f')} tok/s; prefill "
-                        f"{tm['prefill_s']:.2f}s), finish: {r['finish_reason']}")
-    t.add_row("time split", f"proposal {tm['proposal_s']:.2f}s, verification "
-                            f"{tm['verify_s']:.2f}s, other {tm['other_s']:.2f}s "
-                            f"(KV gathers {tm['gather_s']:.2f}s inside)")
+    t.add_row(
+        "decode",
+        f"{r['generated_tokens']} tokens in {tm['decode_s']:.2f}s "
+        f"({_fmt(tm['decode_tok_per_s'], '.1f')} tok/s; prefill "
+        f"{tm['prefill_s']:.2f}s), finish: {r['finish_reason']}",
+    )
+    t.add_row(
+        "time split",
+        f"proposal {tm['proposal_s']:.2f}s, verification "
+        f"{tm['verify_s']:.2f}s, other {tm['other_s']:.2f}s "
+        f"(KV gathers {tm['gather_s']:.2f}s inside)",
+    )
     c = r["cost"]
-    t.add_row("speedup", f"predicted {r['speedup_predicted']:.2f}x (s={c['s']:.3f}, "
-                         f"h={c['h']:.2f}, k={c['k']}, batch {c['batch']}, "
-                         f"pays={c['pays']})" + (
-                             f", measured {_fmt(r.get('speedup_measured'), '.2f')}x"
-                             if "speedup_measured" in r else ""))
+    t.add_row(
+        "speedup",
+        f"predicted {r['speedup_predicted']:.2f}x (s={c['s']:.3f}, "
+        f"h={c['h']:.2f}, k={c['k']}, batch {c['batch']}, "
+        f"pays={c['pays']})"
+        + (
+            f", measured {_fmt(r.get('speedup_measured'), '.2f')}x"
+            if "speedup_measured" in r
+            else ""
+        ),
+    )
     if "identical_to_full" in r:
         same = "[green]identical[/]" if r["identical_to_full"] else "[red]different[/]"
-        t.add_row("vs full", f"{same} to full-context decoding "
-                             f"({_fmt(r['full_timing']['decode_tok_per_s'], '.1f')} tok/s)")
+        t.add_row(
+            "vs full",
+            f"{same} to full-context decoding "
+            f"({_fmt(r['full_timing']['decode_tok_per_s'], '.1f')} tok/s)",
+        )
     parts = [Panel(Text(r["text"]), title="output"), t]
     if "identical_to_full" in r and not r["identical_to_full"]:
         parts.insert(1, Panel(Text(r["full_text"]), title="full-context output"))

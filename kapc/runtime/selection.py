@@ -64,23 +64,30 @@ class KeySummaries:
         return cls(kmin, kmax, valid, tables)
 
 
-def block_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+def block_scores(
+    q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q [rows, heads, head_dim] against one layer's summaries kmin, kmax [rows, kv_heads, blocks,
     head_dim] -> [rows, blocks]: the attention share each block could draw, summed over heads."""
     B, nh, hd = q.shape
     kvh = kmin.shape[1]
     Q = q.view(B, kvh, nh // kvh, hd)
     # max(q*lo, q*hi) = q+ * hi + q- * lo, summed over head_dim: two batched matmuls
-    ub = torch.matmul(Q.clamp(min=0), kmax.transpose(-1, -2)) \
-        + torch.matmul(Q.clamp(max=0), kmin.transpose(-1, -2))  # [B, kvh, g, blocks]
+    ub = torch.matmul(Q.clamp(min=0), kmax.transpose(-1, -2)) + torch.matmul(
+        Q.clamp(max=0), kmin.transpose(-1, -2)
+    )  # [B, kvh, g, blocks]
     ub = ub.mul_(scale).masked_fill_(~valid[:, None, None, :], float("-inf"))
     return torch.softmax(ub, dim=-1).sum(dim=(1, 2))
 
 
-def choose(scores: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor, keep: int,
-           preferred: torch.Tensor | None = None,
-           quota: torch.Tensor | None = None) -> torch.Tensor:
+def choose(
+    scores: torch.Tensor,
+    forced: torch.Tensor,
+    valid: torch.Tensor,
+    keep: int,
+    preferred: torch.Tensor | None = None,
+    quota: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Indices [rows, keep] of the blocks each row keeps, best first: every forced block
     (`forced` [rows, blocks], at most `keep` per row), then the `quota[row]` best-scoring of the
     row's `preferred` blocks (a hybrid plan's own pages), then the best-scoring others. Rows with
@@ -89,8 +96,9 @@ def choose(scores: torch.Tensor, forced: torch.Tensor, valid: torch.Tensor, keep
     if preferred is not None and quota is not None and int(quota.max()) > 0:
         q = min(int(quota.max()), s.shape[1])
         top = s.masked_fill(~preferred, float("-inf")).topk(q, dim=1)
-        wanted = (torch.arange(q, device=s.device)[None, :] < quota[:, None]) \
-            & torch.isfinite(top.values)
+        wanted = (torch.arange(q, device=s.device)[None, :] < quota[:, None]) & torch.isfinite(
+            top.values
+        )
         forced = forced | torch.zeros_like(forced).scatter_(1, top.indices, wanted)
     s = s.masked_fill(forced, float("inf"))
     return s.topk(min(keep, s.shape[1]), dim=1).indices
@@ -109,8 +117,15 @@ def row_masks(valid: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor, to
     return forced, preferred, quota
 
 
-def proxy_query(layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                head_dim: int, qk_norm: bool) -> torch.Tensor:
+def proxy_query(
+    layer,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    head_dim: int,
+    qk_norm: bool,
+) -> torch.Tensor:
     """The query `layer` (a Hugging Face decoder layer) would form from hidden state h [N, hidden]:
     its input norm, query projection (and q-norm) and the rotary embedding at the true positions
     (cos, sin [N, 1, head_dim]) -> [N, heads, head_dim]."""
@@ -148,19 +163,37 @@ class Router:
     blocks [rows, keep * block_size]. Time spent and proxy quality go to `stats` (the executor's
     BatchStats: select_s, select_calls, overlap)."""
 
-    def __init__(self, model, rows_access: list, summ: KeySummaries, forced: torch.Tensor,
-                 keep: int, block_size: int, stats, measure_overlap: bool = False,
-                 preferred: torch.Tensor | None = None, quota: torch.Tensor | None = None):
+    def __init__(
+        self,
+        model,
+        rows_access: list,
+        summ: KeySummaries,
+        forced: torch.Tensor,
+        keep: int,
+        block_size: int,
+        stats,
+        measure_overlap: bool = False,
+        preferred: torch.Tensor | None = None,
+        quota: torch.Tensor | None = None,
+    ):
         L = model.num_layers
         self.m, self.summ, self.forced, self.keep, self.bs = model, summ, forced, keep, block_size
         self.preferred, self.quota = preferred, quota
         self.stats, self.measure = stats, measure_overlap
         per_row = [query_sources(a, L) for a in rows_access]
         # per layer: {"in": rows, "mid": rows} whose proxy comes from that earlier state
-        self.src = [{st: torch.tensor([b for b, r in enumerate(per_row) if r[layer] == st],
-                                      dtype=torch.long, device=forced.device)
-                     for st in ("in", "mid") if any(r[layer] == st for r in per_row)}
-                    for layer in range(L)]
+        self.src = [
+            {
+                st: torch.tensor(
+                    [b for b, r in enumerate(per_row) if r[layer] == st],
+                    dtype=torch.long,
+                    device=forced.device,
+                )
+                for st in ("in", "mid")
+                if any(r[layer] == st for r in per_row)
+            }
+            for layer in range(L)
+        ]
         self.proxies: dict[int, torch.Tensor] = {}
         self.offsets = torch.arange(block_size, device=forced.device)
 
@@ -180,12 +213,19 @@ class Router:
                 return
             t0 = time.perf_counter()
             sub = self.src[nxt][stage]
-            hq = proxy_query(m.layers[nxt], h.index_select(0, rows.index_select(0, sub)),
-                             cos.index_select(0, sub), sin.index_select(0, sub), m.num_heads,
-                             m.head_dim, m.has_qk_norm)
+            hq = proxy_query(
+                m.layers[nxt],
+                h.index_select(0, rows.index_select(0, sub)),
+                cos.index_select(0, sub),
+                sin.index_select(0, sub),
+                m.num_heads,
+                m.head_dim,
+                m.has_qk_norm,
+            )
             if nxt not in self.proxies:
-                self.proxies[nxt] = torch.empty(rows.numel(), m.num_heads, m.head_dim,
-                                                dtype=hq.dtype, device=hq.device)
+                self.proxies[nxt] = torch.empty(
+                    rows.numel(), m.num_heads, m.head_dim, dtype=hq.dtype, device=hq.device
+                )
             self.proxies[nxt][sub] = hq
             self.stats.select_s += time.perf_counter() - t0
 
@@ -229,9 +269,17 @@ class TableRouter:
     is its tail); later steps of the cycle write the same choice again (the table is rebuilt
     every step)."""
 
-    def __init__(self, summ: KeySummaries, forced: torch.Tensor, keep: list[int], heads: int,
-                 head_dim: int, scale: float, preferred: torch.Tensor | None = None,
-                 quota: torch.Tensor | None = None):
+    def __init__(
+        self,
+        summ: KeySummaries,
+        forced: torch.Tensor,
+        keep: list[int],
+        heads: int,
+        head_dim: int,
+        scale: float,
+        preferred: torch.Tensor | None = None,
+        quota: torch.Tensor | None = None,
+    ):
         self.summ, self.forced, self.keep = summ, forced, list(keep)
         self.preferred, self.quota = preferred, quota
         self.widest = max(self.keep)
@@ -254,15 +302,16 @@ class TableRouter:
             # the first step has every dynamic row present, in order
             q = query.view(-1, self.heads, self.head_dim).index_select(0, self.rows)
             s = self.summ
-            scores = block_scores(q.to(s.kmin.dtype), s.kmin[layer], s.kmax[layer], s.valid,
-                                  self.scale)
+            scores = block_scores(
+                q.to(s.kmin.dtype), s.kmin[layer], s.kmax[layer], s.valid, self.scale
+            )
             idx = choose(scores, self.forced, s.valid, self.widest, self.preferred, self.quota)
             self.chosen[layer] = s.tables.gather(1, idx).to(self.table.dtype)
             self.choices += 1
         chosen = self.chosen[layer]
         if all(k == self.widest for k in self.keep):
-            self.table[self.rows, :self.widest] = chosen.index_select(0, self.present)
+            self.table[self.rows, : self.widest] = chosen.index_select(0, self.present)
         else:  # best first: a row that keeps fewer takes the head of its choice
             for r, d in zip(self.rows.tolist(), self.present.tolist()):
-                self.table[r, :self.keep[d]] = chosen[d, :self.keep[d]]
+                self.table[r, : self.keep[d]] = chosen[d, : self.keep[d]]
         self.seconds += time.perf_counter() - t0

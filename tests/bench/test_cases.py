@@ -15,12 +15,22 @@ WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".spl
 
 @pytest.fixture(scope="module")
 def prior():
-    passages = [Segment(text=f"Title: Place {i}\n" + " ".join(WORDS[(i + j) % 12]
-                                                            for j in range(60)) + f" end{i}.\n\n",
-                        kind="passage", id=f"p{i}", title=f"Place {i}") for i in range(12)]
+    passages = [
+        Segment(
+            text=f"Title: Place {i}\n"
+            + " ".join(WORDS[(i + j) % 12] for j in range(60))
+            + f" end{i}.\n\n",
+            kind="passage",
+            id=f"p{i}",
+            title=f"Place {i}",
+        )
+        for i in range(12)
+    ]
     request = chat_request(passages, "Question: Which place ends with end7?", cases.INSTRUCTION)
-    units = [Unit(id=p.id, kind="passage", segment=p.id, scores={"dense": 1.0 / (1 + abs(i - 7))})
-             for i, p in enumerate(passages)]
+    units = [
+        Unit(id=p.id, kind="passage", segment=p.id, scores={"dense": 1.0 / (1 + abs(i - 7))})
+        for i, p in enumerate(passages)
+    ]
     return Prior(name="hand", request=request, units=units, meta={"question_id": "q"})
 
 
@@ -35,7 +45,9 @@ def test_workload_adds_its_ask_after_the_question(prior):
         assert q.kind == "question" and q.text.endswith("end7?\n" + ask)
         assert _passage_ids(p.request) == _passage_ids(prior.request)
         assert p.name == f"hand-{w}" and p.units == prior.units
-    short, long = (cases.prompt_ids(cases.for_workload(prior, w).request) for w in ("short", "long"))
+    short, long = (
+        cases.prompt_ids(cases.for_workload(prior, w).request) for w in ("short", "long")
+    )
     common = next(i for i, (a, b) in enumerate(zip(short, long)) if a != b)
     assert common > 0.9 * len(short)  # the workloads share every block up to the ask
 
@@ -52,8 +64,9 @@ def test_random_concat_is_seeded_and_within_budget(prior):
     a = cases.random_concat(prior, budget, seed="s1")
     assert len(cases.prompt_ids(a)) <= budget
     assert _passage_ids(a) == _passage_ids(cases.random_concat(prior, budget, seed="s1"))
-    picks = {tuple(_passage_ids(cases.random_concat(prior, budget, seed=f"s{i}")))
-             for i in range(6)}
+    picks = {
+        tuple(_passage_ids(cases.random_concat(prior, budget, seed=f"s{i}"))) for i in range(6)
+    }
     assert len(picks) > 1  # the seed decides, not the priors
     ids = _passage_ids(a)
     assert ids == sorted(ids, key=lambda x: int(x[1:])) and len(ids) >= 2

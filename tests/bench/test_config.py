@@ -13,16 +13,19 @@ from kapc.bench import BenchConfig, BenchError
 from kapc.bench import run as R
 
 
-@pytest.mark.parametrize("kw,msg", [
-    ({"methods": ("full", "magic")}, "unknown method"),
-    ({"datasets": ("nq",)}, "unknown dataset"),
-    ({"workloads": ("medium",)}, "unknown workload"),
-    ({"engine": "tgi"}, "--engine"),
-    ({"baseline": "other"}, "--baseline"),
-    ({"lengths": (100,)}, "at least 256"),
-    ({"k": "9"}, "--k"),
-    ({"questions": 0}, "at least 1"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        ({"methods": ("full", "magic")}, "unknown method"),
+        ({"datasets": ("nq",)}, "unknown dataset"),
+        ({"workloads": ("medium",)}, "unknown workload"),
+        ({"engine": "tgi"}, "--engine"),
+        ({"baseline": "other"}, "--baseline"),
+        ({"lengths": (100,)}, "at least 256"),
+        ({"k": "9"}, "--k"),
+        ({"questions": 0}, "at least 1"),
+    ],
+)
 def test_bad_settings_are_refused(tmp_path, kw, msg):
     with pytest.raises(BenchError, match=msg):
         BenchConfig(out=tmp_path, **kw).check()
@@ -37,8 +40,14 @@ def test_a_resumed_sweep_must_keep_its_settings(tmp_path):
 
 def test_results_file_survives_a_torn_line(tmp_path):
     path = tmp_path / R.RESULTS
-    row = {"dataset": "hotpotqa", "workload": "short", "length": 1024, "method": "full",
-           "index": 0, "text": "a"}
+    row = {
+        "dataset": "hotpotqa",
+        "workload": "short",
+        "length": 1024,
+        "method": "full",
+        "index": 0,
+        "text": "a",
+    }
     R.append_rows(path, [row, dict(row, index=1)])
     R.append_rows(path, [dict(row, text="b")])  # a rerun of the same row replaces it
     with path.open("a") as fh:
@@ -54,14 +63,20 @@ def test_a_length_is_the_whole_sequence_the_engine_holds():
         n = R.context_tokens(cfg, length)
         assert n + cfg.long_tokens + 2 * R.MAX_K + cfg.block_size + 32 == length
     # the room follows the output cap, so a longer answer leaves a shorter prompt
-    assert R.context_tokens(BenchConfig(out=".", long_tokens=260), 8192) == \
-        R.context_tokens(cfg, 8192) - 100
+    assert (
+        R.context_tokens(BenchConfig(out=".", long_tokens=260), 8192)
+        == R.context_tokens(cfg, 8192) - 100
+    )
 
 
 def test_work_items_reuse_the_prefix_cache(tmp_path):
     items = R.work_items(BenchConfig(out=tmp_path, questions=3, batch=2, lengths=(2048, 1024)))
-    assert items[:4] == [("hotpotqa", (0, 1), 1024, "short"), ("hotpotqa", (0, 1), 1024, "long"),
-                         ("hotpotqa", (0, 1), 2048, "short"), ("hotpotqa", (0, 1), 2048, "long")]
+    assert items[:4] == [
+        ("hotpotqa", (0, 1), 1024, "short"),
+        ("hotpotqa", (0, 1), 1024, "long"),
+        ("hotpotqa", (0, 1), 2048, "short"),
+        ("hotpotqa", (0, 1), 2048, "long"),
+    ]
     assert items[4][1] == (2,) and len(items) == 8
 
 
@@ -76,7 +91,7 @@ def test_rounds_grow_by_whole_batches(tmp_path):
     # a later round's batches are the earlier round's plus new ones, never a regrouping
     small = R.work_items(BenchConfig(out=tmp_path, questions=24, batch=8))
     large = R.work_items(BenchConfig(out=tmp_path, questions=48, batch=8))
-    assert large[:len(small)] == small
+    assert large[: len(small)] == small
 
 
 def _kapc(*args):
@@ -88,7 +103,8 @@ def test_cli_errors_are_one_line(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         "kapc: error: unknown method(s) magic; choose from full, kapc, kapc-top3, physical, "
-        "random, window"]
+        "random, window"
+    ]
     proc = _kapc("bench", "--out", str(tmp_path / "none"), "--report-only")
     assert proc.returncode == 1 and "holds no results.jsonl" in proc.stderr
     proc = _kapc("bench", "--out", str(tmp_path / "b"), "--lengths", "1k")

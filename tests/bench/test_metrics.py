@@ -8,13 +8,16 @@ import pytest
 from kapc.bench import metrics as M
 
 
-@pytest.mark.parametrize("raw,norm", [
-    ("The Eiffel Tower!", "eiffel tower"),
-    ("  an   Apple, a pear and THE plum. ", "apple pear and plum"),
-    ("Theatre of the Absurd", "theatre of absurd"),  # "the" inside a word stays
-    ("1,000 km/h", "1000 kmh"),
-    ("", ""),
-])
+@pytest.mark.parametrize(
+    "raw,norm",
+    [
+        ("The Eiffel Tower!", "eiffel tower"),
+        ("  an   Apple, a pear and THE plum. ", "apple pear and plum"),
+        ("Theatre of the Absurd", "theatre of absurd"),  # "the" inside a word stays
+        ("1,000 km/h", "1000 kmh"),
+        ("", ""),
+    ],
+)
 def test_normalize_answer(raw, norm):
     assert M.normalize_answer(raw) == norm
 
@@ -59,4 +62,7 @@ def test_pass_rate_threshold_and_sentences():
     assert M.PASS_AT == 0.5
     assert M.passed(0.5) and not M.passed(0.4999)
     assert M.sentences("Paris. It is the capital!\nSee passage 2?  ") == [
-        "Paris.", "It is the capital!", "See passage 2?"]
+        "Paris.",
+        "It is the capital!",
+        "See passage 2?",
+    ]

@@ -13,13 +13,29 @@ import pytest
 
 from kapc.bench.run import METHODS
 
-ARGS = ["--questions", "1", "--lengths", "512,1024", "--batch", "1", "--ttft-samples", "1",
-        "--short-tokens", "16", "--long-tokens", "48"]
+ARGS = [
+    "--questions",
+    "1",
+    "--lengths",
+    "512,1024",
+    "--batch",
+    "1",
+    "--ttft-samples",
+    "1",
+    "--short-tokens",
+    "16",
+    "--long-tokens",
+    "48",
+]
 
 
 def _bench(out):
-    return subprocess.run([sys.executable, "-m", "kapc", "bench", "--out", str(out), *ARGS],
-                          capture_output=True, text=True, timeout=1200)
+    return subprocess.run(
+        [sys.executable, "-m", "kapc", "bench", "--out", str(out), *ARGS],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +73,9 @@ def test_every_row_is_there_and_well_formed(sweep):
             for m in ("random", "window"):
                 assert by[(w, n, m)]["prompt_tokens"] <= phys["prompt_tokens"]
     ttft = [json.loads(x) for x in (out / "ttft.jsonl").read_text().splitlines()]
-    assert {(t["length"], t["method"]) for t in ttft} == {(n, m) for n in (512, 1024)
-                                                          for m in METHODS}
+    assert {(t["length"], t["method"]) for t in ttft} == {
+        (n, m) for n in (512, 1024) for m in METHODS
+    }
     assert all(t["engine_s"] > 0 for t in ttft)
 
 
@@ -79,7 +96,8 @@ def test_report_tables_and_plots(sweep):
     assert md.count("### Against full context, on the same questions") == 2
     paired = json.loads((out / "paired.json").read_text())
     assert {(c["workload"], c["method"]) for c in paired} == {
-        (w, m) for w in ("short", "long") for m in METHODS if m != "full"}
+        (w, m) for w in ("short", "long") for m in METHODS if m != "full"
+    }
     for c in paired:
         assert c["lo"] <= c["diff"] <= c["hi"] and c["cases"] == 2 * c["questions"]
         if c["method"] == "kapc":  # greedy plans are lossless: no difference at all

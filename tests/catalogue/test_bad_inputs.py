@@ -72,14 +72,19 @@ def prior_with(change) -> dict:
 
 
 def passages(doc) -> list[dict]:
-    return [s for m in doc["request"]["messages"] for s in m["segments"] if s.get("kind") == "passage"]
+    return [
+        s for m in doc["request"]["messages"] for s in m["segments"] if s.get("kind") == "passage"
+    ]
 
 
 def drop_units_of(doc, seg_id: str) -> None:
     for u in doc["units"]:
         u["anchors"] = [a for a in u.get("anchors", []) if a["segment"] != seg_id]
-    doc["units"] = [u for u in doc["units"]
-                    if (u["kind"] == "passage" and u["segment"] != seg_id) or u.get("anchors")]
+    doc["units"] = [
+        u
+        for u in doc["units"]
+        if (u["kind"] == "passage" and u["segment"] != seg_id) or u.get("anchors")
+    ]
 
 
 # ---- prior.json -----------------------------------------------------------------------------
@@ -87,28 +92,47 @@ def drop_units_of(doc, seg_id: str) -> None:
 PRIOR_CASES = {
     "malformed JSON": ('{"name": "x", "request": ', ["not valid JSON", "line 1, column"]),
     "not an object": ("[1, 2]", ["Expected `object`, got `array` - at `$`"]),
-    "wrong type deep inside": (prior_with(lambda d: d["units"][0].update(kind=5)),
-                               ["$.units[0].kind"]),
+    "wrong type deep inside": (
+        prior_with(lambda d: d["units"][0].update(kind=5)),
+        ["$.units[0].kind"],
+    ),
     "unknown field": (prior_with(lambda d: d.update(extra=1)), ["unknown field `extra`", "$"]),
-    "lone surrogate": (json.dumps(BASE).replace('"text": "', '"text": "\\ud800', 1),
-                       ["not valid JSON", "surrogate", "line 1"]),
-    "anchor out of range": (prior_with(lambda d: next(u for u in d["units"] if u["anchors"])
-                                       ["anchors"][0].update(end=10**9)),
-                            ["anchors[0]", "outside passage"]),
-    "infinite score": (json.dumps(BASE).replace('"scores": {"', '"scores": {"huge": 1e999, "', 1),
-                       ['$.units[0].scores["huge"]', "Number out of range"]),
-    "duplicate segment id": (prior_with(lambda d: passages(d)[1].update(id=passages(d)[0]["id"])),
-                             ["duplicate segment id"]),
-    "duplicate unit id": (prior_with(lambda d: d["units"][1].update(id=d["units"][0]["id"])),
-                          ["$.units[1].id: duplicate unit id"]),
-    "id ending in a newline": (prior_with(lambda d: d["units"][0].update(id="u0\n")),
-                               ["$.units[0].id"]),
-    "message without segments": (prior_with(lambda d: d["request"]["messages"].append(
-        {"role": "user", "segments": []})), ["$.request.messages[", "].segments"]),
+    "lone surrogate": (
+        json.dumps(BASE).replace('"text": "', '"text": "\\ud800', 1),
+        ["not valid JSON", "surrogate", "line 1"],
+    ),
+    "anchor out of range": (
+        prior_with(
+            lambda d: next(u for u in d["units"] if u["anchors"])["anchors"][0].update(end=10**9)
+        ),
+        ["anchors[0]", "outside passage"],
+    ),
+    "infinite score": (
+        json.dumps(BASE).replace('"scores": {"', '"scores": {"huge": 1e999, "', 1),
+        ['$.units[0].scores["huge"]', "Number out of range"],
+    ),
+    "duplicate segment id": (
+        prior_with(lambda d: passages(d)[1].update(id=passages(d)[0]["id"])),
+        ["duplicate segment id"],
+    ),
+    "duplicate unit id": (
+        prior_with(lambda d: d["units"][1].update(id=d["units"][0]["id"])),
+        ["$.units[1].id: duplicate unit id"],
+    ),
+    "id ending in a newline": (
+        prior_with(lambda d: d["units"][0].update(id="u0\n")),
+        ["$.units[0].id"],
+    ),
+    "message without segments": (
+        prior_with(lambda d: d["request"]["messages"].append({"role": "user", "segments": []})),
+        ["$.request.messages[", "].segments"],
+    ),
     "passage without id": (prior_with(lambda d: passages(d)[0].pop("id")), ["needs an `id`"]),
     "future version": (prior_with(lambda d: d.update(version=7)), ["$.version", "newer"]),
-    "deeply nested": (json.dumps(BASE)[:-1] + ', "meta": {"x": ' + "[" * 50_000 + "]" * 50_000 + "}}",
-                      ["nested deeper", "line 1, column"]),
+    "deeply nested": (
+        json.dumps(BASE)[:-1] + ', "meta": {"x": ' + "[" * 50_000 + "]" * 50_000 + "}}",
+        ["nested deeper", "line 1, column"],
+    ),
 }
 
 
@@ -138,27 +162,46 @@ def test_prompt_longer_than_the_model_is_refused_before_tokenizing(tmp_path):
     def huge(d):
         passages(d)[0]["text"] = "word " * 2_000_000  # 10 MB: no 8K-token model holds it
         drop_units_of(d, passages(d)[0]["id"])
-    refused(["compile", write_json(tmp_path, prior_with(huge)), "-o", tmp_path / "p.kapb"],
-            "characters fit")
+
+    refused(
+        ["compile", write_json(tmp_path, prior_with(huge)), "-o", tmp_path / "p.kapb"],
+        "characters fit",
+    )
 
 
 def test_prompt_over_the_context_is_refused(tmp_path):
     def long(d):
         passages(d)[0]["text"] = "a b c d " * 4000  # ~16K tokens
         drop_units_of(d, passages(d)[0]["id"])
-    refused(["compile", write_json(tmp_path, prior_with(long)), "-o", tmp_path / "p.kapb"],
-            "longer than", "context of 8192")
+
+    refused(
+        ["compile", write_json(tmp_path, prior_with(long)), "-o", tmp_path / "p.kapb"],
+        "longer than",
+        "context of 8192",
+    )
 
 
-@pytest.mark.parametrize("text", ["", "a\u0000b", "🤖 שלום e\u0301 \u200f", "line\u2028sep\u0085x\x0c"],
-                         ids=["empty", "NUL", "emoji-rtl-combining", "separators"])
+@pytest.mark.parametrize(
+    "text",
+    ["", "a\u0000b", "🤖 שלום e\u0301 \u200f", "line\u2028sep\u0085x\x0c"],
+    ids=["empty", "NUL", "emoji-rtl-combining", "separators"],
+)
 def test_odd_but_valid_passages_compile(text, tmp_path):
     def odd(d):
         passages(d)[1]["text"] = text
         drop_units_of(d, passages(d)[1]["id"])
+
     out = tmp_path / "p.kapb"
-    compiles(["compile", write_json(tmp_path, prior_with(odd)), "-o", out, "--emit-kap",
-              tmp_path / "p.kap"])
+    compiles(
+        [
+            "compile",
+            write_json(tmp_path, prior_with(odd)),
+            "-o",
+            out,
+            "--emit-kap",
+            tmp_path / "p.kap",
+        ]
+    )
     compiles(["fmt", "--check", tmp_path / "p.kap"])  # and the emitted .kap reads back
     assert out.exists()
 
@@ -169,55 +212,92 @@ def test_utf8_bom_prior_compiles(tmp_path):
     compiles(["compile", path, "-o", tmp_path / "p.kapb"])
 
 
-@pytest.mark.parametrize("passes,expected", [
-    ("ground,align-spans,select{budget-tokens=1},resolve-pages,compact", "below the"),
-    ("ground,align-spans,select{budget-tokens=1000000},resolve-pages,compact", "not below the prompt"),
-    ("ground,align-spans,select{budget-ratio=0},resolve-pages,compact", "budget-ratio must be within"),
-    ("ground,align-spans,select{budget-ratio=nan},resolve-pages,compact", "not a finite number"),
-    ("compact{accept=top99}", "compact: accept must be"),
-    ("ground{norm=bogus}", "ground: norm must be"),
-    ("compact{max-retained=7}", "compact: max-retained must be within"),
-    ("compact{acceptance-window=-5}", "compact: acceptance-window must be within"),
-    ("resolve-pages{block-size=0}", "resolve-pages: block-size must be within"),
-    ("compact{k=" + "9" * 5000 + "}", "...("),
-    ("ground,selct", "did you mean 'select'"),
-])
+@pytest.mark.parametrize(
+    "passes,expected",
+    [
+        ("ground,align-spans,select{budget-tokens=1},resolve-pages,compact", "below the"),
+        (
+            "ground,align-spans,select{budget-tokens=1000000},resolve-pages,compact",
+            "not below the prompt",
+        ),
+        (
+            "ground,align-spans,select{budget-ratio=0},resolve-pages,compact",
+            "budget-ratio must be within",
+        ),
+        (
+            "ground,align-spans,select{budget-ratio=nan},resolve-pages,compact",
+            "not a finite number",
+        ),
+        ("compact{accept=top99}", "compact: accept must be"),
+        ("ground{norm=bogus}", "ground: norm must be"),
+        ("compact{max-retained=7}", "compact: max-retained must be within"),
+        ("compact{acceptance-window=-5}", "compact: acceptance-window must be within"),
+        ("resolve-pages{block-size=0}", "resolve-pages: block-size must be within"),
+        ("compact{k=" + "9" * 5000 + "}", "...("),
+        ("ground,selct", "did you mean 'select'"),
+    ],
+)
 def test_bad_pipelines(passes, expected, tmp_path):
     refused(["compile", PRIOR, "-o", tmp_path / "p.kapb", "--passes", passes], expected)
 
 
 def test_pipeline_options_are_checked_before_the_input_is_read(tmp_path):
     # the input does not exist: an option error must still be the one reported
-    refused(["compile", tmp_path / "missing.json", "-o", tmp_path / "p.kapb", "--passes",
-             "compact{accept=top99}"], "compact: accept must be")
+    refused(
+        [
+            "compile",
+            tmp_path / "missing.json",
+            "-o",
+            tmp_path / "p.kapb",
+            "--passes",
+            "compact{accept=top99}",
+        ],
+        "compact: accept must be",
+    )
 
 
 # ---- .kap -------------------------------------------------------------------------------------
 
 HEAD = 'kap name="x" request=chat\n'
 KAP_CASES = {
-    "unterminated string": (HEAD + 'segment %a role=user text="abc\n', ":2:", "unterminated string"),
+    "unterminated string": (
+        HEAD + 'segment %a role=user text="abc\n',
+        ":2:",
+        "unterminated string",
+    ),
     "unexpected character": (HEAD + "segment %a role=user ! \n", ":2:22:", "unexpected character"),
     "unexpected token": (HEAD + 'segment %a role=user text="q" }\n', ":2:", "unexpected '}'"),
     "end of file": (HEAD + "segment %a role=", ":2:", "unexpected end of file"),
     "unknown statement": (HEAD + "segmnt %a\n", ":2:1:", "did you mean 'segment'"),
     "unknown attribute": (HEAD + 'segment %a role=user txt="q"\n', ":2:", "did you mean 'text'"),
-    "wrong type": (HEAD + 'segment %a role=user text=3\n', ":2:", "expected a string"),
+    "wrong type": (HEAD + "segment %a role=user text=3\n", ":2:", "expected a string"),
     "attribute twice": (HEAD + 'segment %a role=user text="q" text="r"\n', ":2:", "given twice"),
-    "map key twice": (HEAD + "unit %u kind=passage scores={a=1.0, a=2.0}\n", ":2:37:",
-                      "key 'a' given twice"),
+    "map key twice": (
+        HEAD + "unit %u kind=passage scores={a=1.0, a=2.0}\n",
+        ":2:37:",
+        "key 'a' given twice",
+    ),
     "missing attribute": (HEAD + "segment %a role=user\n", ":2:1:", "missing 'text'"),
     "second header": (HEAD + HEAD, ":2:1:", "a second 'kap' statement"),
     "no header": ('segment %a role=user text="q"\n', ":1:1:", "starts with a `kap` statement"),
     "future version": ('kap version=99 name="x" request=chat\n', ":1:1:", "newer than this kapc"),
-    "huge integer": (HEAD + "prompt chars=1 tokens=" + "9" * 5000 + ' hash="h"\n', ":2:",
-                     "at most 64 bits"),
+    "huge integer": (
+        HEAD + "prompt chars=1 tokens=" + "9" * 5000 + ' hash="h"\n',
+        ":2:",
+        "at most 64 bits",
+    ),
     "non-finite number": (HEAD + "unit %u kind=passage scores={a=1e999}\n", ":2:", "finite number"),
     "lone surrogate": (HEAD + 'segment %a role=user text="\\ud800"\n', ":2:", "lone surrogate"),
-    "checker: unknown pass": ('kap name="x" request=chat passes=[ground, bogus]\n', ":1:1:",
-                              "unknown pass 'bogus'"),
-    "checker: statements missing": ('kap name="x" request=chat passes=[ground, align-spans]\n',
-                                    ":1:1:", "no 'target' statement"),
+    "checker: unknown pass": (
+        'kap name="x" request=chat passes=[ground, bogus]\n',
+        ":1:1:",
+        "unknown pass 'bogus'",
+    ),
+    "checker: statements missing": (
+        'kap name="x" request=chat passes=[ground, align-spans]\n',
+        ":1:1:",
+        "no 'target' statement",
+    ),
     "checker: zero block size": (None, ":", "block size 0"),
     "checker: zero prompt tokens": (None, ":", "0 tokens, outside"),
     "checker: window out of domain": (None, ":", "acceptance_window -5"),
@@ -231,8 +311,12 @@ def _staged(text_change) -> str:
 
 STAGED = {
     "checker: zero block size": lambda t: t.replace("block_size=16", "block_size=0"),
-    "checker: zero prompt tokens": lambda t: re.sub(r"(prompt chars=\d+) tokens=\d+", r"\1 tokens=0", t),
-    "checker: window out of domain": lambda t: t.replace("acceptance_window=32", "acceptance_window=-5"),
+    "checker: zero prompt tokens": lambda t: re.sub(
+        r"(prompt chars=\d+) tokens=\d+", r"\1 tokens=0", t
+    ),
+    "checker: window out of domain": lambda t: t.replace(
+        "acceptance_window=32", "acceptance_window=-5"
+    ),
 }
 
 
@@ -256,7 +340,9 @@ def test_non_utf8_kap_points_at_the_character(tmp_path):
 
 def test_line_separators_do_not_move_the_caret(tmp_path):
     path = tmp_path / "sep.kap"
-    path.write_text(HEAD + 'segment %a role=user text="x\u2028y\u0085z\x0c" bad\n', encoding="utf-8")
+    path.write_text(
+        HEAD + 'segment %a role=user text="x\u2028y\u0085z\x0c" bad\n', encoding="utf-8"
+    )
     err = refused(["fmt", "--check", path], f"{path}:2:")
     shown = err.split("\n")
     caret_line = next(i for i, line in enumerate(shown) if line.strip().startswith("^"))
@@ -277,6 +363,7 @@ def test_oversized_kap_is_refused(tmp_path):
 
 
 # ---- .kapb ------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def plan_bytes(tmp_path_factory) -> bytes:
@@ -310,15 +397,18 @@ def test_kapb_flipped_bytes(plan_bytes, tmp_path):
         refused(["inspect", path], str(path))
 
 
-@pytest.mark.parametrize("change,expected", [
-    (lambda h, a: a["prompt_token_ids"].append(7), "prompt token ids"),
-    (lambda h, a: a["selected_blocks"].reverse(), "selected_blocks must ascend"),
-    (lambda h, a: a["positions"].pop(), "positions are not"),
-    (lambda h, a: h.update(prompt_tokens=h["prompt_tokens"] + 1), "prompt"),
-    (lambda h, a: h.update(block_size=0), "block_size 0"),
-    (lambda h, a: h.update(accept="top99"), "acceptance rule"),
-    (lambda h, a: h["fallback"].update(acceptance_window=-5), "acceptance_window"),
-])
+@pytest.mark.parametrize(
+    "change,expected",
+    [
+        (lambda h, a: a["prompt_token_ids"].append(7), "prompt token ids"),
+        (lambda h, a: a["selected_blocks"].reverse(), "selected_blocks must ascend"),
+        (lambda h, a: a["positions"].pop(), "positions are not"),
+        (lambda h, a: h.update(prompt_tokens=h["prompt_tokens"] + 1), "prompt"),
+        (lambda h, a: h.update(block_size=0), "block_size 0"),
+        (lambda h, a: h.update(accept="top99"), "acceptance rule"),
+        (lambda h, a: h["fallback"].update(acceptance_window=-5), "acceptance_window"),
+    ],
+)
 def test_kapb_sealed_but_inconsistent(plan_bytes, tmp_path, change, expected):
     header, arrays = kapb_tools.split(plan_bytes)
     change(header, arrays)
@@ -347,10 +437,13 @@ def test_kapb_future_version(plan_bytes, tmp_path):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("field,expected", [
-    ("model_fingerprint", "compiled for another model"),
-    ("prompt_hash", "inconsistent plan"),  # a hash that is not the ids' is refused at reading
-])
+@pytest.mark.parametrize(
+    "field,expected",
+    [
+        ("model_fingerprint", "compiled for another model"),
+        ("prompt_hash", "inconsistent plan"),  # a hash that is not the ids' is refused at reading
+    ],
+)
 def test_kapb_for_another_model_or_prompt(plan_bytes, tmp_path, field, expected):
     header, arrays = kapb_tools.split(plan_bytes)
     header[field] = "sha256:" + "0" * 64
@@ -422,13 +515,16 @@ def test_unwritable_outputs_are_refused_before_compiling(where, option, tmp_path
     assert not (tmp_path / "ok.kapb").exists()  # nothing written when one output is bad
 
 
-@pytest.mark.parametrize("args,expected", [
-    (["compile"], "Missing argument"),
-    (["compile", PRIOR, "--no-such-option"], "No such option: --no-such-option"),
-    (["bench"], "Missing option '--out'"),
-    (["no-such-command"], "No such command"),
-    (["compile", PRIOR, "--block-size", "many"], "Invalid value for '--block-size'"),
-])
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["compile"], "Missing argument"),
+        (["compile", PRIOR, "--no-such-option"], "No such option: --no-such-option"),
+        (["bench"], "Missing option '--out'"),
+        (["no-such-command"], "No such command"),
+        (["compile", PRIOR, "--block-size", "many"], "Invalid value for '--block-size'"),
+    ],
+)
 def test_usage_errors_are_usage_errors(args, expected):
     code, out, err = kapc(*args)
     assert code == 2, (code, out, err)

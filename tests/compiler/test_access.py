@@ -23,8 +23,9 @@ BASE = "ground,align-spans,select,resolve-pages,"
 
 
 def compile_with(ctx, compact: str):
-    m = run_pipeline(module_from_prior(load_prior(PRIOR)), parse_pipeline(BASE + compact),
-                     ctx).module
+    m = run_pipeline(
+        module_from_prior(load_prior(PRIOR)), parse_pipeline(BASE + compact), ctx
+    ).module
     return m, decode_plan(lower_module(m, ctx))
 
 
@@ -39,10 +40,13 @@ def test_default_plans_are_hybrid_at_their_own_retained_ratio(ctx):
         parse_pipeline(BASE + "compact{access=dynamic,access-budget=most}")
 
 
-@pytest.mark.parametrize("options,mode,proxy", [
-    ("access=dynamic,access-budget=0.2", "dynamic", "query"),
-    ("access=hybrid,access-budget=0.25,proxy=es-mid", "hybrid", "es-mid"),
-])
+@pytest.mark.parametrize(
+    "options,mode,proxy",
+    [
+        ("access=dynamic,access-budget=0.2", "dynamic", "query"),
+        ("access=hybrid,access-budget=0.25,proxy=es-mid", "hybrid", "es-mid"),
+    ],
+)
 def test_an_access_policy_prints_parses_and_lowers(ctx, options, mode, proxy):
     m, plan = compile_with(ctx, f"compact{{{options}}}")
     text = print_module(m)
@@ -80,9 +84,16 @@ def test_a_version_1_plan_reads_as_static_access(ctx):
 
 def _mix(ctx, layers=30, **kw) -> ProxyMix:
     a = ctx.assets
-    fields = dict(version=MIX_VERSION, model=a.name, model_fingerprint=a.fingerprint, budget=0.15,
-                  questions=2, overlap_in=(1.0,) + (0.8,) * (layers - 1),
-                  overlap_mid=(1.0,) + (0.9,) * (layers - 1), mix=("mid",) * layers)
+    fields = dict(
+        version=MIX_VERSION,
+        model=a.name,
+        model_fingerprint=a.fingerprint,
+        budget=0.15,
+        questions=2,
+        overlap_in=(1.0,) + (0.8,) * (layers - 1),
+        overlap_mid=(1.0,) + (0.9,) * (layers - 1),
+        mix=("mid",) * layers,
+    )
     fields.update(kw)
     return ProxyMix(**fields)
 
@@ -117,8 +128,9 @@ def test_a_plan_with_a_bad_access_policy_is_refused_by_the_reader(ctx):
     from kapc.policy import AccessPolicy
 
     _, plan = compile_with(ctx, "compact")
-    h = msgspec.structs.replace(plan.header, access=AccessPolicy(mode="dynamic", budget=0.0),
-                                arrays=())
+    h = msgspec.structs.replace(
+        plan.header, access=AccessPolicy(mode="dynamic", budget=0.0), arrays=()
+    )
     data = encode_plan(h, plan.prompt_token_ids, plan.selected_blocks, plan.positions)
     with pytest.raises(KapbError, match="access budget 0.0"):
         decode_plan(data)

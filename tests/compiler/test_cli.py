@@ -35,8 +35,12 @@ def test_compile_inspect_json(tmp_path):
     assert plan.positions.size == plan.header.visible_prompt_tokens == module.pages.visible
     # positions are the logical positions of the visible tokens, block by block
     bs = plan.header.block_size
-    assert set(plan.positions.tolist()) == {p for b in plan.selected_blocks.tolist()
-                                            for p in range(b * bs, (b + 1) * bs) if p < module.prompt.tokens}
+    assert set(plan.positions.tolist()) == {
+        p
+        for b in plan.selected_blocks.tolist()
+        for p in range(b * bs, (b + 1) * bs)
+        if p < module.prompt.tokens
+    }
 
 
 def test_compile_continues_from_any_stage(tmp_path):
@@ -54,9 +58,18 @@ def test_compile_continues_from_any_stage(tmp_path):
 def test_pipeline_options_change_the_plan(tmp_path):
     small, large = tmp_path / "s.kapb", tmp_path / "l.kapb"
     for out, budget in ((small, 0.1), (large, 0.4)):
-        r = runner.invoke(app, ["compile", str(PRIOR), "-o", str(out), "--passes",
-                                f"ground,align-spans,select{{budget-ratio={budget}}},"
-                                "resolve-pages{block-size=32},compact{k=4,accept=top3}"])
+        r = runner.invoke(
+            app,
+            [
+                "compile",
+                str(PRIOR),
+                "-o",
+                str(out),
+                "--passes",
+                f"ground,align-spans,select{{budget-ratio={budget}}},"
+                "resolve-pages{block-size=32},compact{k=4,accept=top3}",
+            ],
+        )
         assert r.exit_code == 0, r.output
     s, big = read_plan(small).header, read_plan(large).header
     assert s.block_size == big.block_size == 32 and s.k == 4 and s.accept == "top3"
@@ -86,8 +99,9 @@ def test_schema_prior_is_json_schema():
     assert prior.get("additionalProperties") is False
 
 
-@pytest.mark.parametrize("cmd", [[], ["compile"], ["explain"], ["inspect"], ["fmt"], ["schema", "prior"],
-                                 ["serve"]])
+@pytest.mark.parametrize(
+    "cmd", [[], ["compile"], ["explain"], ["inspect"], ["fmt"], ["schema", "prior"], ["serve"]]
+)
 def test_help_everywhere(cmd):
     r = runner.invoke(app, [*cmd, "--help"])
     assert r.exit_code == 0 and "Usage" in r.output
@@ -95,11 +109,13 @@ def test_help_everywhere(cmd):
 
 def test_python_dash_m_and_no_torch_in_the_compiler(tmp_path):
     out = tmp_path / "p.kapb"
-    code = (f"import sys, runpy; sys.argv=['kapc','compile',{str(PRIOR)!r},'-o',{str(out)!r}]\n"
-            "try:\n    runpy.run_module('kapc', run_name='__main__')\n"
-            "except SystemExit as e:\n    assert not e.code, e.code\n"
-            "heavy = sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules)\n"
-            "print('HEAVY', heavy)")
+    code = (
+        f"import sys, runpy; sys.argv=['kapc','compile',{str(PRIOR)!r},'-o',{str(out)!r}]\n"
+        "try:\n    runpy.run_module('kapc', run_name='__main__')\n"
+        "except SystemExit as e:\n    assert not e.code, e.code\n"
+        "heavy = sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules)\n"
+        "print('HEAVY', heavy)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "HEAVY []" in proc.stdout
@@ -108,9 +124,11 @@ def test_python_dash_m_and_no_torch_in_the_compiler(tmp_path):
 
 def test_a_client_needs_no_engine():
     """kapc.client runs wherever a client does: no torch, transformers or vLLM behind it."""
-    code = ("import sys, kapc.client\n"
-            "print('HEAVY', sorted(m for m in ('torch', 'vllm', 'transformers', 'openai') "
-            "if m in sys.modules))")
+    code = (
+        "import sys, kapc.client\n"
+        "print('HEAVY', sorted(m for m in ('torch', 'vllm', 'transformers', 'openai') "
+        "if m in sys.modules))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "HEAVY []" in proc.stdout
@@ -123,8 +141,13 @@ def test_dump_dir_writes_every_stage_as_parseable_kap(tmp_path, monkeypatch):
     r = runner.invoke(app, ["compile", str(PRIOR), "-o", str(tmp_path / "p.kapb")])
     assert r.exit_code == 0, r.output
     files = sorted(p.name for p in dump.iterdir())
-    assert files == ["00-ground.kap", "01-align-spans.kap", "02-select.kap", "03-resolve-pages.kap",
-                     "04-compact.kap"]
+    assert files == [
+        "00-ground.kap",
+        "01-align-spans.kap",
+        "02-select.kap",
+        "03-resolve-pages.kap",
+        "04-compact.kap",
+    ]
     assert parse_file(dump / "04-compact.kap").kap.passes[-1] == "compact"
 
 
@@ -132,7 +155,10 @@ def test_exit_codes_through_the_real_entry_point(tmp_path):
     """`fmt --check` on a non-canonical file exits 1 from the shell, not only under CliRunner."""
     kap = tmp_path / "x.kap"
     kap.write_text('kap   name="x" request=raw\n')
-    run = lambda *a: subprocess.run([sys.executable, "-m", "kapc", *a], capture_output=True, text=True)  # noqa: E731
+
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "kapc", *a], capture_output=True, text=True)
+
     assert run("fmt", "--check", str(kap)).returncode == 1
     assert run("fmt", str(kap)).returncode == 0
     assert run("fmt", "--check", str(kap)).returncode == 0
@@ -143,9 +169,19 @@ def test_compile_warns_when_an_unmeasured_model_predicts_a_gain(tmp_path):
     """The memory-bound model predicts gains on CPUs where plans lose (docs/cost-model.md): a plan
     that says it pays on that model alone says it is not a measurement. A predicted loss needs no
     warning (the runtime falls back)."""
+
     def compile_with(compact: str) -> str:
-        r = runner.invoke(app, ["compile", str(PRIOR), "-o", str(tmp_path / "p.kapb"), "--passes",
-                                f"ground,align-spans,select,resolve-pages,{compact}"])
+        r = runner.invoke(
+            app,
+            [
+                "compile",
+                str(PRIOR),
+                "-o",
+                str(tmp_path / "p.kapb"),
+                "--passes",
+                f"ground,align-spans,select,resolve-pages,{compact}",
+            ],
+        )
         assert r.exit_code == 0, r.output
         return r.output
 

@@ -33,11 +33,15 @@ def test_syntax_error_points_at_line_and_column():
 def test_semantic_error_points_at_the_value():
     with pytest.raises(KapError) as info:
         parse_module('kap name="x" request=chat\nspan %a chars=1..2 tokens="3..4"\n', "p.kap")
-    assert str(info.value).startswith("p.kap:2:27: error: span.tokens: expected a range (start..end)")
+    assert str(info.value).startswith(
+        "p.kap:2:27: error: span.tokens: expected a range (start..end)"
+    )
 
 
 def test_unknown_statement_suggests_the_right_one():
-    with pytest.raises(KapError, match=r"1:1: error: unknown statement 'kapp'; did you mean 'kap'\?"):
+    with pytest.raises(
+        KapError, match=r"1:1: error: unknown statement 'kapp'; did you mean 'kap'\?"
+    ):
         parse_module('kapp name="x" request=chat\n', "p.kap")
 
 
@@ -53,7 +57,9 @@ def test_unknown_pass_option():
 
 def test_pass_before_what_it_requires(ctx):
     module = module_from_prior(load_prior(PRIOR))
-    with pytest.raises(PipelineError, match="pass 'select' requires 'align-spans' to run before it"):
+    with pytest.raises(
+        PipelineError, match="pass 'select' requires 'align-spans' to run before it"
+    ):
         run_pipeline(module, parse_pipeline("ground,select"), ctx)
 
 
@@ -63,8 +69,11 @@ def test_prior_with_wrong_type_deep_inside_names_the_json_path(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(data))
     # msgspec itself only says `scores[...]`: the key is named from the document
-    with pytest.raises(PriorError, match=r"Expected `float`, got `str` - at "
-                                         r"`\$\.units\[3\]\.scores\[\"dense\"\]`"):
+    with pytest.raises(
+        PriorError,
+        match=r"Expected `float`, got `str` - at "
+        r"`\$\.units\[3\]\.scores\[\"dense\"\]`",
+    ):
         load_prior(bad)
 
 
@@ -74,19 +83,26 @@ def test_prior_with_dangling_anchor(tmp_path):
     data["units"][unit]["anchors"][0]["segment"] = "nowhere"
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(data))
-    with pytest.raises(PriorError, match=rf"\$\.units\[{unit}\]\.anchors\[0\]\.segment: no passage segment 'nowhere'"):
+    with pytest.raises(
+        PriorError,
+        match=rf"\$\.units\[{unit}\]\.anchors\[0\]\.segment: no passage segment 'nowhere'",
+    ):
         load_prior(bad)
 
 
 def test_budget_larger_than_the_prompt(ctx):
     module = module_from_prior(load_prior(PRIOR))
-    with pytest.raises(PassError, match=r"budget of 100000 tokens is not below the prompt's \d+ tokens"):
+    with pytest.raises(
+        PassError, match=r"budget of 100000 tokens is not below the prompt's \d+ tokens"
+    ):
         run_pipeline(module, parse_pipeline("ground,align-spans,select{budget-tokens=100000}"), ctx)
 
 
 def test_budget_below_the_mandatory_tokens(ctx):
     module = module_from_prior(load_prior(PRIOR))
-    with pytest.raises(PassError, match=r"budget of 8 tokens is below the \d+ tokens that must stay visible"):
+    with pytest.raises(
+        PassError, match=r"budget of 8 tokens is below the \d+ tokens that must stay visible"
+    ):
         run_pipeline(module, parse_pipeline("ground,align-spans,select{budget-tokens=8}"), ctx)
 
 
@@ -102,10 +118,14 @@ def test_truncated_kapb(plan_file, tmp_path):
     cut = tmp_path / "cut.kapb"
     data = plan_file.read_bytes()
     cut.write_bytes(data[: len(data) - 100])
-    with pytest.raises(KapbError, match=rf"truncated: {len(data) - 100} bytes, the header says {len(data)}"):
+    with pytest.raises(
+        KapbError, match=rf"truncated: {len(data) - 100} bytes, the header says {len(data)}"
+    ):
         read_plan(cut)
     cut.write_bytes(data[:20])
-    with pytest.raises(KapbError, match="truncated: 20 bytes is shorter than the 56-byte .kapb prefix"):
+    with pytest.raises(
+        KapbError, match="truncated: 20 bytes is shorter than the 56-byte .kapb prefix"
+    ):
         read_plan(cut)
 
 
@@ -131,8 +151,9 @@ def test_kapb_future_version(plan_file, tmp_path):
 
 def test_kapb_compiled_for_another_model(plan_file, ctx):
     plan = read_plan(plan_file)
-    check_plan_matches(plan, model_fingerprint=ctx.assets.fingerprint,
-                       prompt_token_ids=plan.prompt_token_ids)  # its own model: accepted
+    check_plan_matches(
+        plan, model_fingerprint=ctx.assets.fingerprint, prompt_token_ids=plan.prompt_token_ids
+    )  # its own model: accepted
     with pytest.raises(PlanMismatch, match="was compiled for another model"):
         check_plan_matches(plan, model_fingerprint="sha256:" + "0" * 64)
     with pytest.raises(PlanMismatch, match="was compiled for another prompt"):
@@ -152,8 +173,11 @@ def test_lowering_for_another_model_is_refused(tmp_path, ctx):
     cfg = json.loads((other / "config.json").read_text())
     cfg["num_hidden_layers"] = 2  # another architecture, same tokenizer
     (other / "config.json").write_text(json.dumps(cfg))
-    module = run_pipeline(module_from_prior(load_prior(PRIOR)),
-                          parse_pipeline("ground,align-spans,select,resolve-pages,compact"), ctx).module
+    module = run_pipeline(
+        module_from_prior(load_prior(PRIOR)),
+        parse_pipeline("ground,align-spans,select,resolve-pages,compact"),
+        ctx,
+    ).module
     with pytest.raises(LowerError, match="was aligned for model smollm2-135m-instruct"):
         lower_module(module, CompileContext(str(other)))
 
@@ -164,8 +188,9 @@ def test_cli_errors_are_one_paragraph_with_nonzero_exit(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "kapc", "fmt", "--check", str(bad)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kapc", "fmt", "--check", str(bad)], capture_output=True, text=True
+    )
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert f"{bad}:2:17: error: unexpected end of file" in proc.stderr

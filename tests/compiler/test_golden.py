@@ -43,8 +43,9 @@ def test_explain_golden(prior_path, snapshot):
 
 def test_explain_print_after_shows_only_that_pass(ctx):
     prior_path = CASES[0]
-    result = CliRunner().invoke(app, ["explain", str(prior_path), "--print-after", "resolve-pages",
-                                      "--full-text"])
+    result = CliRunner().invoke(
+        app, ["explain", str(prior_path), "--print-after", "resolve-pages", "--full-text"]
+    )
     assert result.exit_code == 0, result.output
     assert result.output.count("# ----- IR after") == 1
     # with --full-text, the section is itself a valid .kap module

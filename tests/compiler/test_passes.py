@@ -25,7 +25,7 @@ def test_spans_cover_exactly_the_segment_text(path, ctx):
     n = len(tokens.ids)
     assert m.prompt.tokens == n
     for seg, span in zip(m.segment, m.span):
-        assert rendered.text[span.chars.start:span.chars.end] == seg.text
+        assert rendered.text[span.chars.start : span.chars.end] == seg.text
         first, last = span.tokens.start, span.tokens.end
         assert last > first  # every segment has text, so some token
         # the span is tight: the token before it ends before the segment starts, the one after
@@ -42,12 +42,16 @@ def test_rendering_matches_transformers_chat_template(ctx):
     for path in CASES:
         prior = load_prior(path)
         m = module_from_prior(prior)
-        messages = [{"role": msg.role, "content": "".join(s.text for s in msg.segments)}
-                    for msg in prior.request.messages]
+        messages = [
+            {"role": msg.role, "content": "".join(s.text for s in msg.segments)}
+            for msg in prior.request.messages
+        ]
         ids = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         rendered, tokens = ctx.tokenize.prompt(m)
-        assert rendered.text == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert rendered.text == hf.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
         assert tokens.ids.tolist() == list(ids)
 
 
@@ -75,7 +79,9 @@ def test_select_respects_budget_and_keeps_what_decoding_needs(path, ratio, ctx):
     # room only shrinks, so it does not fit in what is left at the end either
     for d in sel.dropped:
         span = spans[d].tokens
-        new = sum(1 for t in range(span.start, span.end) if not any(k.start <= t < k.end for k in kept))
+        new = sum(
+            1 for t in range(span.start, span.end) if not any(k.start <= t < k.end for k in kept)
+        )
         assert new > sel.budget - sel.kept
     assert [prior[d] for d in sel.dropped] == sorted((prior[d] for d in sel.dropped), reverse=True)
 
@@ -124,8 +130,12 @@ def test_keep_growth_keeps_the_best_passages_up_to_the_grown_cap(ctx):
     prior = {e.id: e.prior for e in wide.evidence}
     best = sorted(prior, key=lambda i: -prior[i])
     n = len(prior)
-    m = compiled(path, ctx, f"ground,align-spans,select{{budget-ratio=0.9,keep-top=1,"
-                            f"keep-growth=1,growth-from={n // 2}}}")
+    m = compiled(
+        path,
+        ctx,
+        f"ground,align-spans,select{{budget-ratio=0.9,keep-top=1,"
+        f"keep-growth=1,growth-from={n // 2}}}",
+    )
     chosen = [k.id for k in m.keep if k.why == "evidence"]
     assert sorted(chosen) == sorted(best[:2])
 
@@ -184,10 +194,14 @@ def test_checker_catches_a_broken_invariant(ctx):
     from kapc.checker import CheckError, check_module
 
     m = compiled(CASES[0], ctx)
-    broken = msgspec.structs.replace(m, pages=msgspec.structs.replace(m.pages, selected=m.pages.selected[:-1]))
+    broken = msgspec.structs.replace(
+        m, pages=msgspec.structs.replace(m.pages, selected=m.pages.selected[:-1])
+    )
     with pytest.raises(CheckError, match="tail block"):
         check_module(broken)
-    over = msgspec.structs.replace(m, select=msgspec.structs.replace(m.select, budget=m.select.kept - 1))
+    over = msgspec.structs.replace(
+        m, select=msgspec.structs.replace(m.select, budget=m.select.kept - 1)
+    )
     with pytest.raises(CheckError, match="over the budget"):
         check_module(over)
 
@@ -197,8 +211,11 @@ def test_a_plan_pays_exactly_from_the_length_it_states(batch, ctx):
     """`pays_from` (the paper's KV_crit) agrees with the plan's own verdict: a prompt at least
     that long pays, a shorter one does not; and a batch shares W, so it pays from shorter."""
     for path in CASES:
-        c = compiled(path, ctx, f"ground,align-spans,select,resolve-pages,"
-                                f"compact{{batch={batch},access=static}}").cost
+        c = compiled(
+            path,
+            ctx,
+            f"ground,align-spans,select,resolve-pages,compact{{batch={batch},access=static}}",
+        ).cost
         n = compiled(path, ctx, "ground,align-spans").prompt.tokens
         assert c.pays_from is not None
         if c.pays_from == 0:
@@ -206,10 +223,12 @@ def test_a_plan_pays_exactly_from_the_length_it_states(batch, ctx):
         elif abs(n - c.pays_from) > c.pays_from // 50:  # the search is exact to about 1%
             assert c.pays == (n >= c.pays_from), (path.name, n, c.pays_from)
     one = compiled(CASES[0], ctx, "ground,align-spans,select,resolve-pages,compact{access=static}")
-    eight = compiled(CASES[0], ctx,
-                     "ground,align-spans,select,resolve-pages,compact{batch=8,access=static}")
-    assert 0 < eight.cost.pays_from and (one.cost.pays_from == 0
-                                         or eight.cost.pays_from < one.cost.pays_from)
+    eight = compiled(
+        CASES[0], ctx, "ground,align-spans,select,resolve-pages,compact{batch=8,access=static}"
+    )
+    assert 0 < eight.cost.pays_from and (
+        one.cost.pays_from == 0 or eight.cost.pays_from < one.cost.pays_from
+    )
 
 
 def test_flat_priors_make_a_plan_that_falls_back_for_prior_confidence(ctx):
@@ -221,17 +240,23 @@ def test_flat_priors_make_a_plan_that_falls_back_for_prior_confidence(ctx):
 
     prior = load_prior(CASES[0])
     # every passage scored alike, and no entity graph lending some of them more
-    units = [msgspec.structs.replace(u, scores={k: 0.5 for k in u.scores}, anchors=[])
-             for u in prior.units if u.kind == "passage"]
+    units = [
+        msgspec.structs.replace(u, scores={k: 0.5 for k in u.scores}, anchors=[])
+        for u in prior.units
+        if u.kind == "passage"
+    ]
     flat = msgspec.structs.replace(prior, units=units)
-    module = run_pipeline(module_from_prior(flat), parse_pipeline(
-        "ground,align-spans,select,resolve-pages,compact"), ctx).module
+    module = run_pipeline(
+        module_from_prior(flat),
+        parse_pipeline("ground,align-spans,select,resolve-pages,compact"),
+        ctx,
+    ).module
     assert module.select.dropped and module.select.separation == 0.0
-    plan = decode_plan(compile_to_kapb(flat, "ground,align-spans,select,resolve-pages,compact",
-                                       ctx, verify=False))
+    plan = decode_plan(
+        compile_to_kapb(flat, "ground,align-spans,select,resolve-pages,compact", ctx, verify=False)
+    )
     assert plan.header.prior_separation == 0.0
-    verdict = admit(plan.header, retained=plan.header.retained_ratio,
-                    honor_predicted_loss=False)
+    verdict = admit(plan.header, retained=plan.header.retained_ratio, honor_predicted_loss=False)
     assert not verdict.runs and verdict.reason.startswith("prior confidence:")
     real = compiled(CASES[0], ctx)
     assert real.select.separation > real.fallback.min_separation

@@ -82,13 +82,26 @@ def test_acceptance_monitor():
 
 
 def _header(**kw) -> PlanHeader:
-    base = dict(name="p", kapc_version="0", model="m", model_fingerprint="sha256:a",
-                tokenizer_fingerprint="sha256:b", template_fingerprint="sha256:c", block_size=16,
-                prompt_tokens=100, prompt_hash="sha256:d", visible_prompt_tokens=20,
-                retained_ratio=0.2, padded_blocks=2, k=4, accept="greedy",
-                fallback=FallbackPolicy(), cost=CostPrediction(weight_bytes=1, kv_bytes=1, batch=1,
-                                                              s=0.2, h=0.8, k=4, speedup=1.5,
-                                                              pays=True))
+    base = dict(
+        name="p",
+        kapc_version="0",
+        model="m",
+        model_fingerprint="sha256:a",
+        tokenizer_fingerprint="sha256:b",
+        template_fingerprint="sha256:c",
+        block_size=16,
+        prompt_tokens=100,
+        prompt_hash="sha256:d",
+        visible_prompt_tokens=20,
+        retained_ratio=0.2,
+        padded_blocks=2,
+        k=4,
+        accept="greedy",
+        fallback=FallbackPolicy(),
+        cost=CostPrediction(
+            weight_bytes=1, kv_bytes=1, batch=1, s=0.2, h=0.8, k=4, speedup=1.5, pays=True
+        ),
+    )
     base.update(kw)
     return PlanHeader(**base)
 
@@ -120,7 +133,6 @@ def test_engine_blocks_map_any_block_size():
     assert engine_blocks(np.array([5, 5, 500]), P, 16).tolist() == [0, 6]
 
 
-
 def test_the_paper_fallback_conditions_at_admission():
     """Workspace capacity and prior confidence refuse a plan with their reason; a plan inside
     both runs."""
@@ -137,8 +149,9 @@ def test_the_paper_fallback_conditions_at_admission():
     assert reason.startswith("prior confidence:") and "0.010" in reason and "0.050" in reason
     # forcing a plan past the cost model does not force it past a guess
     assert not admit(flat, retained=0.2, honor_predicted_loss=False).runs
-    assert admit(_header(prior_separation=0.3, fallback=FallbackPolicy(min_separation=0.05)),
-                 retained=0.2).runs
+    assert admit(
+        _header(prior_separation=0.3, fallback=FallbackPolicy(min_separation=0.05)), retained=0.2
+    ).runs
     # nothing dropped (None), or a plan made before the rule (no floor): no refusal
     assert admit(_header(prior_separation=None), retained=0.2).runs
 
@@ -151,9 +164,12 @@ def test_pays_from_is_the_papers_kv_crit():
     h = acceptance_rate(p, k)
 
     def at(batch, ss=s, pp=p):
-        return critical_context(lambda n: plan_speedup(
-            s=ss, p=pp, k=k, batch=batch, context=n, weight_bytes=w, kv_bytes=per_token * n),
-            10 ** 7)
+        return critical_context(
+            lambda n: plan_speedup(
+                s=ss, p=pp, k=k, batch=batch, context=n, weight_bytes=w, kv_bytes=per_token * n
+            ),
+            10**7,
+        )
 
     for batch in (1, 8):
         expect = w / batch * (1 - h) / (h - s) / per_token
@@ -169,34 +185,63 @@ def test_profile_states_where_plans_pay_per_batch():
     """With measured step times that grow with the context, a plan pays from a length that falls
     as the batch grows, and never where drafts cost as much as plain steps."""
     grow = StepFit(features=("1", "B", "BV"), coef=(0.010, 0.002, 2e-7), rel_error=0, samples=3)
-    prof = msgspec.structs.replace(known_profile(), fits={
-        **known_profile().fits, "plain": grow,
-        "draft": StepFit(features=("1", "B", "BV"), coef=(0.008, 0.002, 2e-8), rel_error=0,
-                         samples=3),
-        "verify": StepFit(features=("1", "B", "Bq", "BV", "BqV"),
-                          coef=(0.012, 0.002, 0.001, 2e-7, 0), rel_error=0, samples=5)})
+    prof = msgspec.structs.replace(
+        known_profile(),
+        fits={
+            **known_profile().fits,
+            "plain": grow,
+            "draft": StepFit(
+                features=("1", "B", "BV"), coef=(0.008, 0.002, 2e-8), rel_error=0, samples=3
+            ),
+            "verify": StepFit(
+                features=("1", "B", "Bq", "BV", "BqV"),
+                coef=(0.012, 0.002, 0.001, 2e-7, 0),
+                rel_error=0,
+                samples=5,
+            ),
+        },
+    )
     one, eight = profile_pays_from(prof, 1, 0.1), profile_pays_from(prof, 8, 0.1)
     assert one is not None and eight is not None and 256 < eight < one
-    best = max(plan_speedup(s=0.1, p=0.8, k=kk, batch=1, context=one, profile=prof)
-               for kk in range(1, 9))
-    worse = max(plan_speedup(s=0.1, p=0.8, k=kk, batch=1, context=int(one * 0.97), profile=prof)
-                for kk in range(1, 9))
+    best = max(
+        plan_speedup(s=0.1, p=0.8, k=kk, batch=1, context=one, profile=prof) for kk in range(1, 9)
+    )
+    worse = max(
+        plan_speedup(s=0.1, p=0.8, k=kk, batch=1, context=int(one * 0.97), profile=prof)
+        for kk in range(1, 9)
+    )
     assert best > 1.0 >= worse
     # a draft over s = 0.1 of the context that costs what a plain step over all of it does
     as_plain = StepFit(features=("1", "B", "BV"), coef=(0.010, 0.002, 2e-6), rel_error=0, samples=3)
     costly = msgspec.structs.replace(prof, fits={**prof.fits, "draft": as_plain})
     assert profile_pays_from(costly, 1, 0.1) is None
 
+
 def known_profile(fingerprint: str = "sha256:" + "0" * 64) -> Profile:
     """plain 10 ms, draft 3 ms, no proposer overhead, verify 12 ms + 1 ms per query token."""
-    return Profile(engine="vllm-cpu", engine_version="test", model="m", model_fingerprint=fingerprint,
-                   dtype="float32", device="cpu", threads=2, block_size=32, created="now",
-                   fits={"plain": StepFit(features=("1", "B", "BV"), coef=(0.010, 0, 0), rel_error=0, samples=3),
-                         "draft": StepFit(features=("1", "B", "BV"), coef=(0.003, 0, 0), rel_error=0, samples=3),
-                         "propose": StepFit(features=("1", "B"), coef=(0, 0), rel_error=0, samples=2),
-                         "verify": StepFit(features=("1", "B", "Bq", "BV", "BqV"),
-                                           coef=(0.012, 0, 0.001, 0, 0), rel_error=0, samples=5)},
-                   acceptance={"greedy": AcceptanceFit(a=math.log(4), b=0.0)})  # p = 0.8
+    return Profile(
+        engine="vllm-cpu",
+        engine_version="test",
+        model="m",
+        model_fingerprint=fingerprint,
+        dtype="float32",
+        device="cpu",
+        threads=2,
+        block_size=32,
+        created="now",
+        fits={
+            "plain": StepFit(features=("1", "B", "BV"), coef=(0.010, 0, 0), rel_error=0, samples=3),
+            "draft": StepFit(features=("1", "B", "BV"), coef=(0.003, 0, 0), rel_error=0, samples=3),
+            "propose": StepFit(features=("1", "B"), coef=(0, 0), rel_error=0, samples=2),
+            "verify": StepFit(
+                features=("1", "B", "Bq", "BV", "BqV"),
+                coef=(0.012, 0, 0.001, 0, 0),
+                rel_error=0,
+                samples=5,
+            ),
+        },
+        acceptance={"greedy": AcceptanceFit(a=math.log(4), b=0.0)},
+    )  # p = 0.8
 
 
 def test_profiled_prediction_k_auto_and_break_even():
@@ -209,9 +254,24 @@ def test_profiled_prediction_k_auto_and_break_even():
     # break-even at k=3: 1 + p + p^2 + p^3 = 2.5, so h = 1.5 / 3
     assert pred.break_even == pytest.approx(0.5, abs=1e-3)
     assert pred.basis == prof.key
-    never = predict(s=0.1, p=0.8, k=8, batch=1, context=4096, profile=known_profile().__class__(
-        **{**msgspec.structs.asdict(prof), "fits": {**prof.fits, "draft": StepFit(
-            features=("1", "B", "BV"), coef=(0.2, 0, 0), rel_error=0, samples=3)}}))
+    never = predict(
+        s=0.1,
+        p=0.8,
+        k=8,
+        batch=1,
+        context=4096,
+        profile=known_profile().__class__(
+            **{
+                **msgspec.structs.asdict(prof),
+                "fits": {
+                    **prof.fits,
+                    "draft": StepFit(
+                        features=("1", "B", "BV"), coef=(0.2, 0, 0), rel_error=0, samples=3
+                    ),
+                },
+            }
+        ),
+    )
     assert never.break_even is None and never.speedup < 1
 
 
@@ -220,8 +280,9 @@ def test_k_auto_stays_within_the_verifications_the_profile_timed():
     does not choose there (an explicit k still predicts)."""
     prof = known_profile()
     assert predict(s=0.1, p=0.95, k=None, batch=1, context=4096, profile=prof).k >= 7
-    timed = msgspec.structs.replace(prof, samples=tuple(
-        StepSample("verify", 1, q, 4096, 0.012 + 0.001 * q) for q in (2, 3)))
+    timed = msgspec.structs.replace(
+        prof, samples=tuple(StepSample("verify", 1, q, 4096, 0.012 + 0.001 * q) for q in (2, 3))
+    )
     assert timed.longest_verify == 3
     pred = predict(s=0.1, p=0.95, k=None, batch=1, context=4096, profile=timed)
     assert pred.k == 2 and pred.by_k[6] > pred.by_k[1]
@@ -232,16 +293,25 @@ def test_a_plan_is_priced_against_its_own_engine_without_plans():
     """kapc's engine decodes unplanned requests on its own attention kernel (`resting`): a plan
     must beat that, not the slower plain engine, so the same cycle predicts less and can lose."""
     prof = known_profile()
-    faster = Profile(**{**msgspec.structs.asdict(prof), "fits": {
-        **prof.fits, "resting": StepFit(features=("1", "B", "BV"), coef=(0.007, 0, 0),
-                                        rel_error=0, samples=3)}})
+    faster = Profile(
+        **{
+            **msgspec.structs.asdict(prof),
+            "fits": {
+                **prof.fits,
+                "resting": StepFit(
+                    features=("1", "B", "BV"), coef=(0.007, 0, 0), rel_error=0, samples=3
+                ),
+            },
+        }
+    )
     assert unplanned_step(prof, 1, 4096) == pytest.approx(0.010)  # no resting model: plain
     assert unplanned_step(faster, 1, 4096) == pytest.approx(0.007)
     # k=3 at p 0.8: 2.952 tokens per 25 ms cycle; 7 ms per token at rest
     pred = predict(s=0.1, p=0.8, k=3, batch=1, context=4096, profile=faster)
     assert pred.speedup == pytest.approx(2.952 * 7 / 25)
-    assert pred.speedup < 1 < predict(s=0.1, p=0.8, k=3, batch=1, context=4096,
-                                      profile=prof).speedup
+    assert (
+        pred.speedup < 1 < predict(s=0.1, p=0.8, k=3, batch=1, context=4096, profile=prof).speedup
+    )
     assert plan_step(faster, [DraftRow(p=0.8, k=4, s=0.1, context=4096)], []) == [0]
     assert step_forecast(faster, [], [4096]) == pytest.approx((0.007, 0.007))
 
@@ -251,10 +321,18 @@ def tolerant_profile(fingerprint: str = "sha256:" + "0" * 64) -> Profile:
     acceptance as greedy's (p = 0.8)."""
     prof = known_profile(fingerprint)
     return msgspec.structs.replace(
-        prof, fits={**prof.fits, "verify_tolerant": StepFit(
-            features=("1", "B", "Bq", "BV", "BqV"), coef=(0.012, 0, 0.002, 0, 0), rel_error=0,
-            samples=5)},
-        acceptance={**prof.acceptance, "top3": prof.acceptance["greedy"]})
+        prof,
+        fits={
+            **prof.fits,
+            "verify_tolerant": StepFit(
+                features=("1", "B", "Bq", "BV", "BqV"),
+                coef=(0.012, 0, 0.002, 0, 0),
+                rel_error=0,
+                samples=5,
+            ),
+        },
+        acceptance={**prof.acceptance, "top3": prof.acceptance["greedy"]},
+    )
 
 
 def test_top_n_verification_is_priced_from_its_own_step_model():
@@ -264,15 +342,20 @@ def test_top_n_verification_is_priced_from_its_own_step_model():
     prof, tol = known_profile(), tolerant_profile()
     # k=3, p=0.8: 29.52 plain ms of tokens per cycle; 3 drafts (9 ms) + verify of q=4:
     # greedy 12 + 4 = 16 ms, tolerant 12 + 8 = 20 ms
-    assert predict(s=0.1, p=0.8, k=3, batch=1, context=4096, profile=tol,
-                   tolerant=True).speedup == pytest.approx(29.52 / 29)
-    assert predict(s=0.1, p=0.8, k=3, batch=1, context=4096,
-                   profile=tol).speedup == pytest.approx(29.52 / 25)
-    assert predict(s=0.1, p=0.8, k=3, batch=1, context=4096, profile=prof,
-                   tolerant=True).speedup == pytest.approx(29.52 / 25)
+    assert predict(
+        s=0.1, p=0.8, k=3, batch=1, context=4096, profile=tol, tolerant=True
+    ).speedup == pytest.approx(29.52 / 29)
+    assert predict(s=0.1, p=0.8, k=3, batch=1, context=4096, profile=tol).speedup == pytest.approx(
+        29.52 / 25
+    )
+    assert predict(
+        s=0.1, p=0.8, k=3, batch=1, context=4096, profile=prof, tolerant=True
+    ).speedup == pytest.approx(29.52 / 25)
     # a step with any drafting top-N row is a tolerant verification of every row's queries
-    top3, greedy = (DraftRow(p=0.8, k=3, s=0.1, context=4096, tolerant=True),
-                    DraftRow(p=0.8, k=3, s=0.1, context=4096))
+    top3, greedy = (
+        DraftRow(p=0.8, k=3, s=0.1, context=4096, tolerant=True),
+        DraftRow(p=0.8, k=3, s=0.1, context=4096),
+    )
     assert step_cost(tol, [top3, greedy], []) == pytest.approx(0.009 + 0.012 + 0.002 * 8)
     assert step_cost(tol, [greedy, greedy], []) == pytest.approx(0.009 + 0.012 + 0.001 * 8)
     held = DraftRow(p=0.8, k=0, s=0.1, context=4096, tolerant=True)
@@ -294,28 +377,46 @@ def test_query_aware_pages_pay_for_choosing_them_each_cycle():
     and the compiler and the step policy both see it; a static plan, or a profile without it,
     does not pay it."""
     prof = known_profile()
-    chooser = Profile(**{**msgspec.structs.asdict(prof), "fits": {
-        **prof.fits, "select": StepFit(features=("1", "B", "BV"), coef=(0.002, 0.001, 0.001 / 4096),
-                                       rel_error=0, samples=3)}})
+    chooser = Profile(
+        **{
+            **msgspec.structs.asdict(prof),
+            "fits": {
+                **prof.fits,
+                "select": StepFit(
+                    features=("1", "B", "BV"),
+                    coef=(0.002, 0.001, 0.001 / 4096),
+                    rel_error=0,
+                    samples=3,
+                ),
+            },
+        }
+    )
     # k=3 at p 0.8, batch 1: 2.952 tokens per 25 ms cycle, plus 2 + 1 + 1 = 4 ms of page choice
-    assert predict(s=0.1, p=0.8, k=3, batch=1, context=4096, profile=chooser,
-                   chooses_pages=True).speedup == pytest.approx(29.52 / 29)
-    assert predict(s=0.1, p=0.8, k=3, batch=1, context=4096, profile=chooser).speedup == \
-        pytest.approx(29.52 / 25)
-    assert predict(s=0.1, p=0.8, k=3, batch=1, context=4096, profile=prof,
-                   chooses_pages=True).speedup == pytest.approx(29.52 / 25)
+    assert predict(
+        s=0.1, p=0.8, k=3, batch=1, context=4096, profile=chooser, chooses_pages=True
+    ).speedup == pytest.approx(29.52 / 29)
+    assert predict(
+        s=0.1, p=0.8, k=3, batch=1, context=4096, profile=chooser
+    ).speedup == pytest.approx(29.52 / 25)
+    assert predict(
+        s=0.1, p=0.8, k=3, batch=1, context=4096, profile=prof, chooses_pages=True
+    ).speedup == pytest.approx(29.52 / 25)
     # in a step, only the rows that draft and choose pay: 2 + 2 * 1 + (4096 + 8192) / 4096 ms
-    rows = [DraftRow(p=0.8, k=3, s=0.1, context=4096, chooses_pages=True),
-            DraftRow(p=0.8, k=3, s=0.1, context=8192, chooses_pages=True),
-            DraftRow(p=0.8, k=3, s=0.1, context=4096),
-            DraftRow(p=0.8, k=0, s=0.1, context=4096, chooses_pages=True)]
+    rows = [
+        DraftRow(p=0.8, k=3, s=0.1, context=4096, chooses_pages=True),
+        DraftRow(p=0.8, k=3, s=0.1, context=8192, chooses_pages=True),
+        DraftRow(p=0.8, k=3, s=0.1, context=4096),
+        DraftRow(p=0.8, k=0, s=0.1, context=4096, chooses_pages=True),
+    ]
     assert step_cost(chooser, rows, []) - step_cost(prof, rows, []) == pytest.approx(0.007)
     # k=3 alone: 2.952 tokens in 29 ms, k=4: 3.3616 in 33; 4 ms more per cycle is worth a
     # longer proposal (1.9% over resting: within the default margin, so without it here)
-    assert plan_step(chooser, [DraftRow(p=0.8, k=4, s=0.1, context=4096, chooses_pages=True)],
-                     [], margin=0.0) == [4]
-    assert plan_step(chooser, [DraftRow(p=0.8, k=4, s=0.1, context=4096, chooses_pages=True)],
-                     []) == [0]
+    assert plan_step(
+        chooser, [DraftRow(p=0.8, k=4, s=0.1, context=4096, chooses_pages=True)], [], margin=0.0
+    ) == [4]
+    assert plan_step(
+        chooser, [DraftRow(p=0.8, k=4, s=0.1, context=4096, chooses_pages=True)], []
+    ) == [0]
     assert plan_step(chooser, [DraftRow(p=0.8, k=4, s=0.1, context=4096)], []) == [3]
 
 
@@ -327,12 +428,27 @@ def test_step_policy_drafts_what_pays_for_the_batch():
     assert plan_step(prof, [DraftRow(p=0.2, k=4, s=0.1, context=4096)], []) == [0]
     # plain and verification cost 10 and 12 ms per row: with rows at p 0.9 and 0.1 the best
     # is the first drafting 4 (5.0951 tokens in 42 ms) and the second held (both: 5.2062 in 46)
-    per_row = Profile(**{**msgspec.structs.asdict(prof), "fits": {
-        **prof.fits,
-        "plain": StepFit(features=("1", "B", "BV"), coef=(0, 0.010, 0), rel_error=0, samples=3),
-        "verify": StepFit(features=("1", "B", "Bq", "BV", "BqV"), coef=(0, 0.012, 0.001, 0, 0),
-                          rel_error=0, samples=5)}})
-    good, poor = DraftRow(p=0.9, k=4, s=0.1, context=4096), DraftRow(p=0.1, k=4, s=0.1, context=4096)
+    per_row = Profile(
+        **{
+            **msgspec.structs.asdict(prof),
+            "fits": {
+                **prof.fits,
+                "plain": StepFit(
+                    features=("1", "B", "BV"), coef=(0, 0.010, 0), rel_error=0, samples=3
+                ),
+                "verify": StepFit(
+                    features=("1", "B", "Bq", "BV", "BqV"),
+                    coef=(0, 0.012, 0.001, 0, 0),
+                    rel_error=0,
+                    samples=5,
+                ),
+            },
+        }
+    )
+    good, poor = (
+        DraftRow(p=0.9, k=4, s=0.1, context=4096),
+        DraftRow(p=0.1, k=4, s=0.1, context=4096),
+    )
     assert plan_step(per_row, [good, poor], []) == [4, 0]
     assert plan_step(per_row, [poor, good], []) == [0, 4]
     # a row that must draft is paid for anyway: the good row then drafts too
@@ -340,8 +456,9 @@ def test_step_policy_drafts_what_pays_for_the_batch():
     # a row that cannot draft (`others`) still waits for the verification
     assert plan_step(per_row, [], [4096]) == []
     # the forecast of a step that ran: its seconds, and plain's for as many tokens
-    assert step_forecast(prof, [DraftRow(p=0.8, k=3, s=0.1, context=4096)], []) == \
-        pytest.approx((0.025, 0.02952))
+    assert step_forecast(prof, [DraftRow(p=0.8, k=3, s=0.1, context=4096)], []) == pytest.approx(
+        (0.025, 0.02952)
+    )
     assert step_forecast(prof, [], [4096, 4096]) == pytest.approx((0.010, 0.010))
     # acceptance estimate: the plan's p worth 16 tries, then what the row shows
     assert estimated_p(0.5, 10, 20) == pytest.approx(18 / 36)
@@ -368,7 +485,7 @@ def test_the_step_policy_decides_on_the_step_times_it_measures():
         clock.tick()
         clock.record("draft", 0.009, 0.003)
     # 20 observations at 3x decayed by 0.95 weigh (1 - 0.95^20) / 0.05 = 12.83, the prior 2 at 1x
-    n = (1 - 0.95 ** 20) / 0.05
+    n = (1 - 0.95**20) / 0.05
     assert clock.factor("draft") == pytest.approx((3 * n + 2) / (n + 2))
     assert clock.profile.seconds("draft", 1, 409) == pytest.approx(0.003 * clock.factor("draft"))
     assert plan_step(clock.profile, [row], []) == [0]
@@ -456,11 +573,23 @@ def test_acceptance_fit_has_a_context_term_only_across_context_lengths():
     """Prompts of one nominal length differ by a few percent; a slope fitted across them
     extrapolates to nonsense (top-3 p at 8K once fitted as 0.00 from 3910..4090-token prompts),
     so the context term needs lengths 1.5x apart."""
-    near = fit_acceptance([(0.1, 3910, 0.99, 100), (0.2, 3910, 0.99, 100),
-                           (0.1, 4090, 0.95, 100), (0.2, 4090, 0.97, 100)])
+    near = fit_acceptance(
+        [
+            (0.1, 3910, 0.99, 100),
+            (0.2, 3910, 0.99, 100),
+            (0.1, 4090, 0.95, 100),
+            (0.2, 4090, 0.97, 100),
+        ]
+    )
     assert near.c == 0.0 and near.p(0.1, 8192) == near.p(0.1, 4096) > 0.9
-    apart = fit_acceptance([(0.1, 4096, 0.95, 100), (0.2, 4096, 0.97, 100),
-                            (0.1, 8192, 0.90, 100), (0.2, 8192, 0.93, 100)])
+    apart = fit_acceptance(
+        [
+            (0.1, 4096, 0.95, 100),
+            (0.2, 4096, 0.97, 100),
+            (0.1, 8192, 0.90, 100),
+            (0.2, 8192, 0.93, 100),
+        ]
+    )
     assert apart.c < 0 and apart.p(0.1, 8192) == pytest.approx(0.90, abs=0.01)
 
 
@@ -491,27 +620,40 @@ def test_compact_uses_a_profile_and_chooses_k(ctx, tmp_path):
     path = save_profile(known_profile(ctx.assets.fingerprint), tmp_path / "p.json")
     assert load_profile(path) == known_profile(ctx.assets.fingerprint)
     prior = example_priors()[0]
-    m = compile_module(prior, "ground,align-spans,select{budget-ratio=0.2},resolve-pages,"
-                       f"compact{{k=auto,profile={path}}}", ctx).module
+    m = compile_module(
+        prior,
+        "ground,align-spans,select{budget-ratio=0.2},resolve-pages,"
+        f"compact{{k=auto,profile={path}}}",
+        ctx,
+    ).module
     assert m.verify.k == 3 and m.cost.k == 3
     assert m.cost.basis == known_profile(ctx.assets.fingerprint).key
     assert m.cost.p == pytest.approx(0.8) and m.cost.break_even == pytest.approx(0.5, abs=1e-3)
     assert m.fallback.min_acceptance == pytest.approx(0.5, abs=1e-3)  # raised to break-even
-    fixed = compile_module(prior, "ground,align-spans,select{budget-ratio=0.2},resolve-pages,"
-                           f"compact{{k=5,profile={path}}}", ctx).module
+    fixed = compile_module(
+        prior,
+        "ground,align-spans,select{budget-ratio=0.2},resolve-pages,"
+        f"compact{{k=5,profile={path}}}",
+        ctx,
+    ).module
     assert fixed.verify.k == 5
     # a top-3 plan is priced with the profile's top-N verification (12 ms + 2 ms a query token)
     tol = save_profile(tolerant_profile(ctx.assets.fingerprint), tmp_path / "tol.json")
-    top3 = compile_module(prior, "ground,align-spans,select{budget-ratio=0.2},resolve-pages,"
-                          f"compact{{k=3,accept=top3,profile={tol}}}", ctx).module
+    top3 = compile_module(
+        prior,
+        "ground,align-spans,select{budget-ratio=0.2},resolve-pages,"
+        f"compact{{k=3,accept=top3,profile={tol}}}",
+        ctx,
+    ).module
     assert top3.cost.speedup == pytest.approx(29.52 / 29, abs=1e-4)
     # a profile of another model is refused by name
     other = save_profile(known_profile(), tmp_path / "other.json")
     from kapc.passes import PassError
 
     with pytest.raises(PassError, match="calibrated for another model"):
-        compile_module(prior, f"ground,align-spans,select,resolve-pages,compact{{profile={other}}}",
-                       ctx)
+        compile_module(
+            prior, f"ground,align-spans,select,resolve-pages,compact{{profile={other}}}", ctx
+        )
 
 
 def test_access_view_reads_the_sink_the_plans_best_share_and_the_tail():
@@ -539,8 +681,13 @@ def test_compact_predicts_query_aware_plans_from_their_own_acceptance_model(ctx,
     # static pages accept p = 0.5 whatever s; query-chosen ones p = 0.5 at s = 0.1, rising with s
     prof = known_profile(ctx.assets.fingerprint)
     dyn = AcceptanceFit(a=math.log(9) - 2.0 * math.log(0.3), b=2.0)  # p(0.3) = 0.9, p(0.1) ~ 0.5
-    prof = msgspec.structs.replace(prof, acceptance={
-        "greedy": AcceptanceFit(a=0.0, b=0.0), acceptance_key("greedy", "dynamic"): dyn})
+    prof = msgspec.structs.replace(
+        prof,
+        acceptance={
+            "greedy": AcceptanceFit(a=0.0, b=0.0),
+            acceptance_key("greedy", "dynamic"): dyn,
+        },
+    )
     assert acceptance_key("greedy", "hybrid") == acceptance_key("greedy", "dynamic") != "greedy"
     path = save_profile(prof, tmp_path / "p.json")
     prior = example_priors()[0]
@@ -560,10 +707,13 @@ def test_compact_predicts_query_aware_plans_from_their_own_acceptance_model(ctx,
     assert matched.access.budget == pytest.approx(matched.pages.retained, abs=1e-6)
     assert matched.cost.p == pytest.approx(dyn.p(matched.pages.retained, matched.prompt.tokens))
     # no query-aware model in the profile: the plan's pages' model stands in
-    only_static = save_profile(msgspec.structs.replace(
-        prof, acceptance={"greedy": AcceptanceFit(a=0.0, b=0.0)}), tmp_path / "s.json")
-    m = compile_module(prior, head + f"compact{{k=4,profile={only_static},access=hybrid}}",
-                       ctx).module
+    only_static = save_profile(
+        msgspec.structs.replace(prof, acceptance={"greedy": AcceptanceFit(a=0.0, b=0.0)}),
+        tmp_path / "s.json",
+    )
+    m = compile_module(
+        prior, head + f"compact{{k=4,profile={only_static},access=hybrid}}", ctx
+    ).module
     assert m.cost.p == pytest.approx(0.5)
 
 
@@ -578,7 +728,9 @@ def test_the_clock_totals_each_kind_over_a_run_undecayed_and_unclipped():
     assert clock.factor("draft") < 4.0
     totals = clock.totals()
     assert totals["draft"] == pytest.approx({"observed_s": 0.530, "predicted_s": 0.040, "steps": 2})
-    assert totals["verify"] == pytest.approx({"observed_s": 0.100, "predicted_s": 0.090, "steps": 1})
+    assert totals["verify"] == pytest.approx(
+        {"observed_s": 0.100, "predicted_s": 0.090, "steps": 1}
+    )
     assert clock.totals(reset=True) == totals
     assert clock.totals() == {}
     clock.record("draft", 0.010, 0.020)
@@ -588,7 +740,8 @@ def test_the_clock_totals_each_kind_over_a_run_undecayed_and_unclipped():
 def test_a_step_is_expected_to_emit_each_drafting_rows_accepted_drafts_and_one_token_each():
     rows = [DraftRow(p=0.8, k=3, s=0.1, context=4096), DraftRow(p=0.5, k=2, s=0.1, context=4096)]
     assert step_tokens(rows, [4096, 4096]) == pytest.approx(
-        tokens_per_cycle(0.8, 3) + tokens_per_cycle(0.5, 2) + 2)
+        tokens_per_cycle(0.8, 3) + tokens_per_cycle(0.5, 2) + 2
+    )
     assert step_tokens([], [4096]) == 1
 
 
@@ -619,12 +772,21 @@ def test_calibrate_refit_fits_a_profiles_own_samples_again(tmp_path):
 
     from kapc.cli import app
 
-    samples = tuple(StepSample("resting", B, 1, V, 0.004 + 0.0005 * B + 2e-7 * math.sqrt(B) * V)
-                    for B in (1, 4, 8) for V in (2000, 4000, 8000))
-    old = msgspec.structs.replace(known_profile(), samples=samples, fits={
-        **known_profile().fits,
-        "resting": StepFit(features=("1", "B", "BV"), coef=(0.01, 0, 1e-7), rel_error=0.1,
-                           samples=len(samples))})
+    samples = tuple(
+        StepSample("resting", B, 1, V, 0.004 + 0.0005 * B + 2e-7 * math.sqrt(B) * V)
+        for B in (1, 4, 8)
+        for V in (2000, 4000, 8000)
+    )
+    old = msgspec.structs.replace(
+        known_profile(),
+        samples=samples,
+        fits={
+            **known_profile().fits,
+            "resting": StepFit(
+                features=("1", "B", "BV"), coef=(0.01, 0, 1e-7), rel_error=0.1, samples=len(samples)
+            ),
+        },
+    )
     path = save_profile(old, tmp_path / "p.json")
     r = CliRunner().invoke(app, ["calibrate", "--refit", "--profile", str(path)])
     assert r.exit_code == 0, r.output
@@ -632,6 +794,8 @@ def test_calibrate_refit_fits_a_profiles_own_samples_again(tmp_path):
     new = load_profile(path)
     assert new.samples == old.samples and new.created == old.created
     assert new.fits["resting"].features == ("1", "B", "BV", "sqrtBV")
-    assert new.seconds("resting", 8, 8000) == pytest.approx(0.004 + 0.004 + 2e-7 * math.sqrt(8) * 8000)
+    assert new.seconds("resting", 8, 8000) == pytest.approx(
+        0.004 + 0.004 + 2e-7 * math.sqrt(8) * 8000
+    )
     # kinds without samples keep their fits (the known profile's, written by hand)
     assert new.fits["draft"] == old.fits["draft"]

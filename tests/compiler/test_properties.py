@@ -26,10 +26,12 @@ from kapc.parse.printer import statement_fields
 
 ids = st.from_regex(r"[A-Za-z_][A-Za-z0-9_.:-]{0,12}", fullmatch=True)
 words = st.from_regex(r"[a-z][a-z0-9-]{0,10}", fullmatch=True).filter(
-    lambda w: w not in ("true", "false", "none"))
+    lambda w: w not in ("true", "false", "none")
+)
 floats = st.floats(allow_nan=False, allow_infinity=False)
 ranges = st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)).map(
-    lambda t: ir.Range(min(t), max(t)))
+    lambda t: ir.Range(min(t), max(t))
+)
 
 
 def strategy_for(hint) -> st.SearchStrategy:
@@ -52,13 +54,18 @@ def strategy_for(hint) -> st.SearchStrategy:
         return ranges
     if hint is ir.Anchor:
         return st.builds(lambda s, r: ir.Anchor(s, r.start, r.end), ids, ranges)
-    return {bool: st.booleans(), int: st.integers(-(2**62), 2**62), float: floats,
-            str: st.text(max_size=30)}[hint]
+    return {
+        bool: st.booleans(),
+        int: st.integers(-(2**62), 2**62),
+        float: floats,
+        str: st.text(max_size=30),
+    }[hint]
 
 
 def statement(cls) -> st.SearchStrategy:
-    return st.fixed_dictionaries({name: strategy_for(hint)
-                                  for name, hint, _, _ in statement_fields(cls)}).map(lambda d: cls(**d))
+    return st.fixed_dictionaries(
+        {name: strategy_for(hint) for name, hint, _, _ in statement_fields(cls)}
+    ).map(lambda d: cls(**d))
 
 
 def modules() -> st.SearchStrategy:
@@ -85,8 +92,11 @@ def test_print_parse_roundtrip(module):
 
 @settings(max_examples=100, deadline=None)
 @given(
-    name=st.text(max_size=20), block_size=st.integers(1, 1024), k=st.integers(1, 16),
-    accept=st.sampled_from(["greedy", "top3"]), pays=st.booleans(),
+    name=st.text(max_size=20),
+    block_size=st.integers(1, 1024),
+    k=st.integers(1, 16),
+    accept=st.sampled_from(["greedy", "top3"]),
+    pays=st.booleans(),
     tokens=st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=300),
     picks=st.lists(st.integers(0, 2**20), max_size=40),
 )
@@ -97,16 +107,31 @@ def test_kapb_roundtrip(name, block_size, k, accept, pays, tokens, picks):
     positions = [t for b in blocks for t in range(b * block_size, min(n, (b + 1) * block_size))]
     retained = len(positions) / n
     header = PlanHeader(
-        name=name, kapc_version="0", model="m", model_fingerprint="sha256:a",
-        tokenizer_fingerprint="sha256:b", template_fingerprint="sha256:c", block_size=block_size,
-        prompt_tokens=n, prompt_hash=prompt_hash(tokens), visible_prompt_tokens=len(positions),
-        retained_ratio=retained, padded_blocks=len(blocks), k=k, accept=accept,
-        fallback=FallbackPolicy(), cost=CostPrediction(weight_bytes=1, kv_bytes=2, batch=1, s=retained,
-                                                       h=0.5, k=k, speedup=1.5, pays=pays))
+        name=name,
+        kapc_version="0",
+        model="m",
+        model_fingerprint="sha256:a",
+        tokenizer_fingerprint="sha256:b",
+        template_fingerprint="sha256:c",
+        block_size=block_size,
+        prompt_tokens=n,
+        prompt_hash=prompt_hash(tokens),
+        visible_prompt_tokens=len(positions),
+        retained_ratio=retained,
+        padded_blocks=len(blocks),
+        k=k,
+        accept=accept,
+        fallback=FallbackPolicy(),
+        cost=CostPrediction(
+            weight_bytes=1, kv_bytes=2, batch=1, s=retained, h=0.5, k=k, speedup=1.5, pays=pays
+        ),
+    )
     data = encode_plan(header, tokens, blocks, positions)
     plan = decode_plan(data)
     assert msgspec.structs.replace(plan.header, arrays=()) == header
     assert plan.prompt_token_ids.tolist() == tokens
     assert plan.selected_blocks.tolist() == blocks and plan.positions.tolist() == positions
     # loading views the file's bytes instead of copying them
-    assert not plan.prompt_token_ids.flags.owndata and plan.prompt_token_ids.dtype == np.dtype("<i4")
+    assert not plan.prompt_token_ids.flags.owndata and plan.prompt_token_ids.dtype == np.dtype(
+        "<i4"
+    )

@@ -15,6 +15,7 @@ from tests.frontend.common import QUESTIONS, TARGETS
 @pytest.fixture(scope="session")
 def tokenizer():
     from kapc.frontend.prompt import prompt_tokenizer
+
     return prompt_tokenizer()
 
 
@@ -22,4 +23,5 @@ def tokenizer():
 def contexts():
     """{(question index, target): LongContext} for QUESTIONS x TARGETS."""
     from kapc.frontend.longctx import build_hotpotqa
+
     return {(i, n): build_hotpotqa(i, n) for i in QUESTIONS for n in TARGETS}

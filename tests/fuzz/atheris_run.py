@@ -70,6 +70,7 @@ def main(argv: list[str]) -> None:
         import kapc.parse  # noqa: F401
         import kapc.pipeline  # noqa: F401
         import kapc.prior  # noqa: F401
+
         if any(options.values()):
             import kapc.compiler  # noqa: F401
             import kapc.lower.lower  # noqa: F401
@@ -99,6 +100,7 @@ def main(argv: list[str]) -> None:
 
     kwargs = {}
     if target == "kapb":
+
         def mutator(data: bytes, max_size: int, seed: int) -> bytes:
             rng = random.Random(seed)
             roll = rng.random()

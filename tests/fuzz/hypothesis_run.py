@@ -66,7 +66,9 @@ def to_json(v, ascii_only: bool = True) -> str:
     if isinstance(v, Pairs):
         return "{" + ",".join(f"{json.dumps(k)}:{to_json(x, ascii_only)}" for k, x in v) + "}"
     if isinstance(v, dict):
-        return "{" + ",".join(f"{json.dumps(k)}:{to_json(x, ascii_only)}" for k, x in v.items()) + "}"
+        return (
+            "{" + ",".join(f"{json.dumps(k)}:{to_json(x, ascii_only)}" for k, x in v.items()) + "}"
+        )
     if isinstance(v, (list, tuple)):
         return "[" + ",".join(to_json(x, ascii_only) for x in v) + "]"
     raise TypeError(type(v))
@@ -79,9 +81,44 @@ def encode(doc, ascii_only: bool) -> bytes:
 
 # --------------------------------------------------------------------------------- priors
 
-WEIRD = ["\n", "\r", "\t", "\x00", "\x01", "\x0b", "\x0c", "\x1c", "\x1e", "\x7f", "\x85",
-         "\u2028", "\u2029", "\ufeff", "\ud800", "\udfff", '"', "\\", "%", "@", "#", "{", "}",
-         "[", "]", "=", ",", ".", " ", "é", "中", "\U0001f600", "<|im_end|>", "<|im_start|>"]
+WEIRD = [
+    "\n",
+    "\r",
+    "\t",
+    "\x00",
+    "\x01",
+    "\x0b",
+    "\x0c",
+    "\x1c",
+    "\x1e",
+    "\x7f",
+    "\x85",
+    "\u2028",
+    "\u2029",
+    "\ufeff",
+    "\ud800",
+    "\udfff",
+    '"',
+    "\\",
+    "%",
+    "@",
+    "#",
+    "{",
+    "}",
+    "[",
+    "]",
+    "=",
+    ",",
+    ".",
+    " ",
+    "é",
+    "中",
+    "\U0001f600",
+    "<|im_end|>",
+    "<|im_start|>",
+]
+
+
 def mostly(good, bad, odds: int = 7):
     """`good` about odds/(odds+1) of the time, else `bad` (one_of picks branches evenly)."""
     return st.one_of(*([good] * odds), bad)
@@ -92,12 +129,35 @@ safe_texts = texts_any.filter(lambda t: not any(0xD800 <= ord(c) < 0xE000 for c 
 texts = mostly(safe_texts, texts_any, 5)
 ID_POOL = ["p0", "p1", "p2", "_s0", "_s1", "n0", "t0", "x", "p0\n", "p1\n", "a.b:c-d", "A" * 200]
 BAD_IDS = ["A" * 201, "0bad", "", "p 0", "p0\u2028", "p0\n\n"]
-ids = mostly(st.sampled_from(ID_POOL), st.sampled_from(BAD_IDS) |
-             st.from_regex(r"[A-Za-z_][A-Za-z0-9_.:-]{0,6}", fullmatch=True), 5)
-EVIL_NUMS = [INF, -INF, 1e308, -1e308, 1.7976931348623157e308, 5e-324, -0.0, 0.0, 1e-300,
-             2.0**53, 2**53 + 1, 2**63, 2**64, -(2**63) - 1, 10**30, -1, 0, 1]
-numbers = st.sampled_from(EVIL_NUMS) | st.floats(allow_nan=False) | st.integers(-10**20, 10**20)
-small_ints = mostly(st.integers(0, 60), st.sampled_from([-1, 2**31, 2**63, 2**64, 10**30, -(2**63) - 1]))
+ids = mostly(
+    st.sampled_from(ID_POOL),
+    st.sampled_from(BAD_IDS) | st.from_regex(r"[A-Za-z_][A-Za-z0-9_.:-]{0,6}", fullmatch=True),
+    5,
+)
+EVIL_NUMS = [
+    INF,
+    -INF,
+    1e308,
+    -1e308,
+    1.7976931348623157e308,
+    5e-324,
+    -0.0,
+    0.0,
+    1e-300,
+    2.0**53,
+    2**53 + 1,
+    2**63,
+    2**64,
+    -(2**63) - 1,
+    10**30,
+    -1,
+    0,
+    1,
+]
+numbers = st.sampled_from(EVIL_NUMS) | st.floats(allow_nan=False) | st.integers(-(10**20), 10**20)
+small_ints = mostly(
+    st.integers(0, 60), st.sampled_from([-1, 2**31, 2**63, 2**64, 10**30, -(2**63) - 1])
+)
 KINDS = ["instruction", "question", "passage", "text"]
 UKINDS = ["passage", "node", "triple", "proposition"]
 
@@ -111,31 +171,53 @@ def deep_raw(depth: int, kind: int) -> Raw:
 
 
 json_leaf = st.none() | st.booleans() | numbers | texts
-json_any = st.recursive(json_leaf, lambda c: st.lists(c, max_size=3) |
-                        st.dictionaries(texts, c, max_size=3), max_leaves=8)
-params = json_any | st.builds(deep_raw, st.sampled_from([10, 100, 200, 500, 1000, 3000, 20000]),
-                              st.integers(0, 2))
+json_any = st.recursive(
+    json_leaf,
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(texts, c, max_size=3),
+    max_leaves=8,
+)
+params = json_any | st.builds(
+    deep_raw, st.sampled_from([10, 100, 200, 500, 1000, 3000, 20000]), st.integers(0, 2)
+)
 
 segment = st.fixed_dictionaries(
     {"text": st.one_of(safe_texts, safe_texts, safe_texts, texts)},
-    optional={"kind": st.sampled_from(KINDS * 4 + ["passage"] * 6 + ["bogus"]), "id": ids,
-              "title": st.none() | texts})
-message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"] * 5 + ["tool"]),
-                                 "segments": mostly(st.lists(segment, min_size=1, max_size=4), st.just([]), 4)})
+    optional={
+        "kind": st.sampled_from(KINDS * 4 + ["passage"] * 6 + ["bogus"]),
+        "id": ids,
+        "title": st.none() | texts,
+    },
+)
+message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["system", "user", "assistant"] * 5 + ["tool"]),
+        "segments": mostly(st.lists(segment, min_size=1, max_size=4), st.just([]), 4),
+    }
+)
 request = st.one_of(
     st.fixed_dictionaries({"messages": st.lists(message, min_size=1, max_size=3)}),
     st.fixed_dictionaries({"messages": st.lists(message, min_size=1, max_size=3)}),
     st.fixed_dictionaries({"raw": st.lists(segment, max_size=5)}),
     st.fixed_dictionaries({"raw": st.lists(segment, max_size=5)}),
     st.fixed_dictionaries({"messages": st.lists(message, max_size=3)}),
-    st.fixed_dictionaries({"messages": st.lists(message, max_size=2), "raw": st.lists(segment, max_size=2)}),
-    st.just({}))
+    st.fixed_dictionaries(
+        {"messages": st.lists(message, max_size=2), "raw": st.lists(segment, max_size=2)}
+    ),
+    st.just({}),
+)
 anchor = st.fixed_dictionaries({"segment": ids, "start": small_ints, "end": small_ints})
-score_names = st.sampled_from(["bm25", "dense", "ppr", "rerank", "", "a b", "true", "\ud800", "x\n"])
+score_names = st.sampled_from(
+    ["bm25", "dense", "ppr", "rerank", "", "a b", "true", "\ud800", "x\n"]
+)
 unit = st.fixed_dictionaries(
     {"id": ids, "kind": st.sampled_from(UKINDS + ["passage"] * 3)},
-    optional={"segment": ids, "text": texts, "anchors": st.lists(anchor, max_size=3),
-              "scores": st.dictionaries(score_names, numbers, max_size=4)})
+    optional={
+        "segment": ids,
+        "text": texts,
+        "anchors": st.lists(anchor, max_size=3),
+        "scores": st.dictionaries(score_names, numbers, max_size=4),
+    },
+)
 
 
 @st.composite
@@ -144,8 +226,12 @@ def built_priors(draw):
     if draw(st.booleans()):
         doc["units"] = draw(st.lists(unit, max_size=5))
     if draw(st.booleans()):
-        doc["frontend"] = draw(st.fixed_dictionaries(
-            {"name": texts}, optional={"version": texts, "params": st.dictionaries(texts, params, max_size=2)}))
+        doc["frontend"] = draw(
+            st.fixed_dictionaries(
+                {"name": texts},
+                optional={"version": texts, "params": st.dictionaries(texts, params, max_size=2)},
+            )
+        )
     if draw(st.booleans()):
         doc["meta"] = draw(st.dictionaries(texts, params, max_size=2))
     if draw(st.integers(0, 9)) == 0:
@@ -161,7 +247,10 @@ def built_priors(draw):
 
 @functools.lru_cache(maxsize=1)
 def example_docs() -> list:
-    return [json.loads(p.read_bytes()) for p in sorted((ROOT / "examples" / "hotpotqa").glob("*-700.prior.json"))]
+    return [
+        json.loads(p.read_bytes())
+        for p in sorted((ROOT / "examples" / "hotpotqa").glob("*-700.prior.json"))
+    ]
 
 
 def _paths(node, prefix=()):
@@ -211,11 +300,27 @@ def mutated_examples(draw):
 
 
 VALID_TEXT_CHARS = [c for c in WEIRD if not any(0xD800 <= ord(x) < 0xE000 for x in c)]
-valid_texts = st.lists(st.sampled_from(VALID_TEXT_CHARS) | st.text(
-    st.characters(exclude_categories=("Cs",)), max_size=6), max_size=10).map("".join)
+valid_texts = st.lists(
+    st.sampled_from(VALID_TEXT_CHARS)
+    | st.text(st.characters(exclude_categories=("Cs",)), max_size=6),
+    max_size=10,
+).map("".join)
 GOOD_IDS = ["p0", "p1", "p2", "p3", "_s0", "_s1", "_s2", "x", "a.b:c-d", "A" * 200]
-SCORE_VALUES = [1e308, -1e308, 1.7976931348623157e308, 5e-324, -0.0, 0.0, 1e-300, 2**53 + 1,
-                10**30, -1, 0, 1, 0.5]
+SCORE_VALUES = [
+    1e308,
+    -1e308,
+    1.7976931348623157e308,
+    5e-324,
+    -0.0,
+    0.0,
+    1e-300,
+    2**53 + 1,
+    10**30,
+    -1,
+    0,
+    1,
+    0.5,
+]
 
 
 @st.composite
@@ -227,7 +332,9 @@ def valid_priors(draw):
     draw(st.randoms()).shuffle(ids_left)
     segs = []
     for _ in range(draw(st.integers(0, 6))):
-        kind = draw(st.sampled_from(["passage", "passage", "passage", "instruction", "question", "text"]))
+        kind = draw(
+            st.sampled_from(["passage", "passage", "passage", "instruction", "question", "text"])
+        )
         seg = {"text": draw(valid_texts), "kind": kind}
         if kind == "passage" or draw(st.booleans()):
             if not ids_left:
@@ -241,18 +348,28 @@ def valid_priors(draw):
     else:
         cut = sorted(draw(st.lists(st.integers(0, len(segs)), max_size=3)))
         bounds = [0, *cut, len(segs)]
-        messages = [{"role": draw(st.sampled_from(["system", "user", "assistant"])),
-                     "segments": segs[a:b]} for a, b in zip(bounds, bounds[1:]) if b > a]
+        messages = [
+            {"role": draw(st.sampled_from(["system", "user", "assistant"])), "segments": segs[a:b]}
+            for a, b in zip(bounds, bounds[1:])
+            if b > a
+        ]
         request = {"messages": messages or [{"role": "user", "segments": [{"text": ""}]}]}
     passages = [sg for sg in segs if sg["kind"] == "passage"]
     units = []
     for i in range(draw(st.integers(0, 6)) if passages else 0):
         kind = draw(st.sampled_from(["passage", "node", "triple", "proposition"]))
-        unit = {"id": f"u{i}" if draw(st.integers(0, 5)) else "p0", "kind": kind,
-                "scores": draw(st.dictionaries(
+        unit = {
+            "id": f"u{i}" if draw(st.integers(0, 5)) else "p0",
+            "kind": kind,
+            "scores": draw(
+                st.dictionaries(
                     st.sampled_from(["bm25", "dense", "ppr", "", "a b", "true", "x\n", "\u2028"]),
-                    st.sampled_from(SCORE_VALUES) | st.floats(allow_nan=False, allow_infinity=False),
-                    max_size=3))}
+                    st.sampled_from(SCORE_VALUES)
+                    | st.floats(allow_nan=False, allow_infinity=False),
+                    max_size=3,
+                )
+            ),
+        }
         target = draw(st.sampled_from(passages))
         if kind == "passage":
             unit["segment"] = target["id"]
@@ -282,27 +399,118 @@ def prior_strategy():
 
 # ------------------------------------------------------------------------------------ .kap
 
-TOKEN = re.compile(r'"(?:[^"\\\n]|\\.)*"|%[A-Za-z_][A-Za-z0-9_.:-]*(?:@[0-9]+\.\.[0-9]+)?|'
-                   r'[0-9]+\.\.[0-9]+|-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|'
-                   r'[A-Za-z_][A-Za-z0-9_-]*=?|\s+|.', re.S)
-EVIL_NUM_TEXT = ["0", "-1", "1", "-0", "-0.0", "1e999", "-1e999", "1e308", "5e-324", ".5", "1.",
-                 "2147483648", "9223372036854775808", "18446744073709551616", "9" * 40, "9" * 4400,
-                 "1" + "0" * 400, "0.000001", "16", "17", "1.5"]
-EVIL_RANGE_TEXT = ["0..0", "0..1", "5..3", "0..99999999999", "1..1", "0..612", "612..613",
-                   "0.." + "9" * 4400, "99999999999999999999..99999999999999999999"]
-EVIL_STRING_TEXT = ['""', '"\\ud800"', '"\\udfff\\ud800"', '"a\\u2028b"', '"\\u0000"', '"\u2028"',
-                    '"\x85"', '"' + "x" * 5000 + '"', '"none"', '"true"', '"%p0"', '"\\n"']
-EVIL_INSERT = ["none", "true", "false", "[", "]", "{", "}", ",", "=", "%p0", "%_s0", "%p0@0..3",
-               "#", '"', "\n", "passes=[ground, align-spans, select, resolve-pages, compact]",
-               "kap", "segment", "unit", "evidence", "target", "prompt", "span", "select", "keep",
-               "pages", "view", "verify", "fallback", "cost", "text=", "id=", "prior=", "tokens=",
-               "selected=[0..1]", "scores={a=1.0, a=2.0}", "\u2028", "\x0c", "\\", "@"]
-PASS_LISTS = ["passes=[]", "passes=[ground]", "passes=[ground, align-spans]",
-              "passes=[ground, align-spans, select]", "passes=[ground, align-spans, select, resolve-pages]",
-              "passes=[ground, align-spans, select, resolve-pages, compact]", "passes=[compact]",
-              "passes=[resolve-pages]", "passes=[select]", "passes=[align-spans]",
-              "passes=[align-spans, resolve-pages]", "passes=[ground, ground]", "passes=[bogus]",
-              "passes=[align-spans, select, resolve-pages, compact]"]
+TOKEN = re.compile(
+    r'"(?:[^"\\\n]|\\.)*"|%[A-Za-z_][A-Za-z0-9_.:-]*(?:@[0-9]+\.\.[0-9]+)?|'
+    r"[0-9]+\.\.[0-9]+|-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|"
+    r"[A-Za-z_][A-Za-z0-9_-]*=?|\s+|.",
+    re.S,
+)
+EVIL_NUM_TEXT = [
+    "0",
+    "-1",
+    "1",
+    "-0",
+    "-0.0",
+    "1e999",
+    "-1e999",
+    "1e308",
+    "5e-324",
+    ".5",
+    "1.",
+    "2147483648",
+    "9223372036854775808",
+    "18446744073709551616",
+    "9" * 40,
+    "9" * 4400,
+    "1" + "0" * 400,
+    "0.000001",
+    "16",
+    "17",
+    "1.5",
+]
+EVIL_RANGE_TEXT = [
+    "0..0",
+    "0..1",
+    "5..3",
+    "0..99999999999",
+    "1..1",
+    "0..612",
+    "612..613",
+    "0.." + "9" * 4400,
+    "99999999999999999999..99999999999999999999",
+]
+EVIL_STRING_TEXT = [
+    '""',
+    '"\\ud800"',
+    '"\\udfff\\ud800"',
+    '"a\\u2028b"',
+    '"\\u0000"',
+    '"\u2028"',
+    '"\x85"',
+    '"' + "x" * 5000 + '"',
+    '"none"',
+    '"true"',
+    '"%p0"',
+    '"\\n"',
+]
+EVIL_INSERT = [
+    "none",
+    "true",
+    "false",
+    "[",
+    "]",
+    "{",
+    "}",
+    ",",
+    "=",
+    "%p0",
+    "%_s0",
+    "%p0@0..3",
+    "#",
+    '"',
+    "\n",
+    "passes=[ground, align-spans, select, resolve-pages, compact]",
+    "kap",
+    "segment",
+    "unit",
+    "evidence",
+    "target",
+    "prompt",
+    "span",
+    "select",
+    "keep",
+    "pages",
+    "view",
+    "verify",
+    "fallback",
+    "cost",
+    "text=",
+    "id=",
+    "prior=",
+    "tokens=",
+    "selected=[0..1]",
+    "scores={a=1.0, a=2.0}",
+    "\u2028",
+    "\x0c",
+    "\\",
+    "@",
+]
+PASS_LISTS = [
+    "passes=[]",
+    "passes=[ground]",
+    "passes=[ground, align-spans]",
+    "passes=[ground, align-spans, select]",
+    "passes=[ground, align-spans, select, resolve-pages]",
+    "passes=[ground, align-spans, select, resolve-pages, compact]",
+    "passes=[compact]",
+    "passes=[resolve-pages]",
+    "passes=[select]",
+    "passes=[align-spans]",
+    "passes=[align-spans, resolve-pages]",
+    "passes=[ground, ground]",
+    "passes=[bogus]",
+    "passes=[align-spans, select, resolve-pages, compact]",
+]
 
 
 @functools.lru_cache(maxsize=1)
@@ -322,9 +530,14 @@ def kap_bases() -> list[str]:
         for p in sorted((ROOT / "examples" / "hotpotqa").glob("*.prior.json")):
             m = module_from_prior(load_prior(p))
             out.append(print_module(m))
-            compile_module(m, None, ctx, after_pass=lambda rec: out.append(print_module(rec.module)))
+            compile_module(
+                m, None, ctx, after_pass=lambda rec: out.append(print_module(rec.module))
+            )
     except Exception as exc:  # noqa: BLE001 - without the model, the plans and seeds still serve
-        print(f"kap bases: examples through passes skipped: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(
+            f"kap bases: examples through passes skipped: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+        )
     return sorted(set(out), key=len)
 
 
@@ -337,7 +550,9 @@ def _mutate_kap(text: str, ops: list[tuple[int, int, int]]) -> str:
         t = toks[i]
         kind = op % 12
         if kind == 0:  # a number
-            nums = [j for j, x in enumerate(toks) if re.fullmatch(r"-?[0-9.]+([eE][-+]?[0-9]+)?", x)]
+            nums = [
+                j for j, x in enumerate(toks) if re.fullmatch(r"-?[0-9.]+([eE][-+]?[0-9]+)?", x)
+            ]
             if nums:
                 toks[nums[a % len(nums)]] = EVIL_NUM_TEXT[b % len(EVIL_NUM_TEXT)]
         elif kind == 1:  # a range
@@ -369,8 +584,11 @@ def _mutate_kap(text: str, ops: list[tuple[int, int, int]]) -> str:
             toks = TOKEN.findall("\n".join(lines))
         elif kind == 9:  # the passes list
             s = "".join(toks)
-            s = re.sub(r"passes=\[[^\]]*\]", PASS_LISTS[b % len(PASS_LISTS)], s, count=1) \
-                if "passes=" in s else s.replace("request=", PASS_LISTS[b % len(PASS_LISTS)] + " request=", 1)
+            s = (
+                re.sub(r"passes=\[[^\]]*\]", PASS_LISTS[b % len(PASS_LISTS)], s, count=1)
+                if "passes=" in s
+                else s.replace("request=", PASS_LISTS[b % len(PASS_LISTS)] + " request=", 1)
+            )
             toks = TOKEN.findall(s)
         elif kind == 10:  # swap two tokens
             j = b % len(toks)
@@ -388,19 +606,28 @@ def kap_inputs(draw):
     bases = kap_bases()
     # prefer small bases: index drawn from a skewed distribution
     i = min(draw(st.integers(0, len(bases) - 1)), draw(st.integers(0, len(bases) - 1)))
-    ops = draw(st.lists(st.tuples(st.integers(0, 11), st.integers(0, 2**31), st.integers(0, 2**31)),
-                        min_size=1, max_size=5))
+    ops = draw(
+        st.lists(
+            st.tuples(st.integers(0, 11), st.integers(0, 2**31), st.integers(0, 2**31)),
+            min_size=1,
+            max_size=5,
+        )
+    )
     return _mutate_kap(bases[i], ops).encode("utf-8", "surrogatepass")
 
 
 # ------------------------------------------------------------------------------------ .kapb
 
+
 @functools.lru_cache(maxsize=1)
 def kapb_bases() -> list[bytes]:
     from tests.fuzz import kapb_tools
 
-    return [p.read_bytes() for p in sorted((FUZZ / "corpus" / "kapb").glob("*"))
-            if kapb_tools.is_kapb(p.read_bytes()) and not p.name.startswith("near-")]
+    return [
+        p.read_bytes()
+        for p in sorted((FUZZ / "corpus" / "kapb").glob("*"))
+        if kapb_tools.is_kapb(p.read_bytes()) and not p.name.startswith("near-")
+    ]
 
 
 @st.composite
@@ -414,7 +641,7 @@ def kapb_inputs(draw):
         version, head_len, body = kapb_tools.unseal(data)
         if body:
             j = draw(st.integers(0, len(body) - 1))
-            body = body[:j] + bytes([body[j] ^ (1 << draw(st.integers(0, 7)))]) + body[j + 1:]
+            body = body[:j] + bytes([body[j] ^ (1 << draw(st.integers(0, 7)))]) + body[j + 1 :]
         data = kapb_tools.reseal(body, head_len, version)
     return data
 
@@ -427,21 +654,72 @@ OPTIONS = {
     "align-spans": [],
     "select": ["budget-tokens", "budget-ratio", "sink", "window"],
     "resolve-pages": ["block-size"],
-    "compact": ["k", "accept", "expect-acceptance", "batch", "dtype-bytes", "max-retained",
-                "min-acceptance", "acceptance-window", "on-predicted-loss"],
+    "compact": [
+        "k",
+        "accept",
+        "expect-acceptance",
+        "batch",
+        "dtype-bytes",
+        "max-retained",
+        "min-acceptance",
+        "acceptance-window",
+        "on-predicted-loss",
+    ],
 }
-EVIL_OPT = ["nan", "-nan", "inf", "-inf", "infinity", "1e999", "-1e999", "1e308", "5e-324", "-5",
-            "-1", "0", "1", "2", "0.5", "-0", "-0.0", "9" * 30, "9" * 5000, "2147483648",
-            "9223372036854775808", "18446744073709551616", "true", "false", "", "top1", "top3",
-            "top99", "top09", "greedy", "bogus", "minmax", "rank", "1_000", "\u0663", " 3 ", "0x10",
-            "+1", "1.5", "Greedy", "top\u0663"]
+EVIL_OPT = [
+    "nan",
+    "-nan",
+    "inf",
+    "-inf",
+    "infinity",
+    "1e999",
+    "-1e999",
+    "1e308",
+    "5e-324",
+    "-5",
+    "-1",
+    "0",
+    "1",
+    "2",
+    "0.5",
+    "-0",
+    "-0.0",
+    "9" * 30,
+    "9" * 5000,
+    "2147483648",
+    "9223372036854775808",
+    "18446744073709551616",
+    "true",
+    "false",
+    "",
+    "top1",
+    "top3",
+    "top99",
+    "top09",
+    "greedy",
+    "bogus",
+    "minmax",
+    "rank",
+    "1_000",
+    "\u0663",
+    " 3 ",
+    "0x10",
+    "+1",
+    "1.5",
+    "Greedy",
+    "top\u0663",
+]
 
 
 @st.composite
 def pipeline_inputs(draw):
     items = []
     for _ in range(draw(st.integers(1, 5))):
-        name = draw(st.sampled_from(PASS_NAMES[:5]) if draw(st.integers(0, 9)) else st.sampled_from(PASS_NAMES))
+        name = draw(
+            st.sampled_from(PASS_NAMES[:5])
+            if draw(st.integers(0, 9))
+            else st.sampled_from(PASS_NAMES)
+        )
         opts = []
         known = OPTIONS.get(name, [])
         for _ in range(draw(st.integers(0, 3))):
@@ -454,12 +732,20 @@ def pipeline_inputs(draw):
     return text.encode("utf-8", "surrogatepass")
 
 
-STRATEGIES = {"prior": prior_strategy, "kap": kap_inputs, "kapb": kapb_inputs, "pipeline": pipeline_inputs}
+STRATEGIES = {
+    "prior": prior_strategy,
+    "kap": kap_inputs,
+    "kapb": kapb_inputs,
+    "pipeline": pipeline_inputs,
+}
 
 
 def main(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="python -m tests.fuzz.hypothesis_run", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m tests.fuzz.hypothesis_run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("target", choices=sorted(STRATEGIES))
     ap.add_argument("--count", type=int, default=1000, help="examples to generate")
     ap.add_argument("--deep", action="store_true", help="also compile/lower (needs the model)")
@@ -482,8 +768,14 @@ def main(argv: list[str]) -> None:
         model_ctx()
     rec = Recorder(args.target, options, write=not args.no_write)
 
-    @settings(max_examples=args.count, database=None, deadline=None, derandomize=False,
-              suppress_health_check=list(HealthCheck), phases=[Phase.generate])
+    @settings(
+        max_examples=args.count,
+        database=None,
+        deadline=None,
+        derandomize=False,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.generate],
+    )
     @given(strategy)
     def fuzz(data: bytes) -> None:
         rec.run(data)

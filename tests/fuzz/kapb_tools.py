@@ -24,7 +24,7 @@ def is_kapb(data: bytes) -> bool:
 def unseal(data: bytes) -> tuple[int, int, bytes]:
     """(format version, header length, body) of a plan; the body is everything after the prefix."""
     _, version, head_len, _, _ = PREFIX.unpack_from(data)
-    return version, head_len, bytes(data[PREFIX.size:])
+    return version, head_len, bytes(data[PREFIX.size :])
 
 
 def reseal(body: bytes, head_len: int, version: int = 1, magic: bytes = MAGIC) -> bytes:
@@ -41,7 +41,7 @@ def split(data: bytes) -> tuple[dict, dict[str, list[int]]]:
     header = msgspec.msgpack.decode(body[:head_len])
     arrays = {}
     for name, _dtype, offset, count in header.get("arrays", []):
-        raw = data[offset:offset + 4 * count]
+        raw = data[offset : offset + 4 * count]
         arrays[name] = list(struct.unpack(f"<{len(raw) // 4}i", raw[: len(raw) // 4 * 4]))
     return header, arrays
 
@@ -54,8 +54,9 @@ def _i32(values) -> bytes:
     return b"".join(struct.pack("<i", ((int(v) + 2**31) % 2**32) - 2**31) for v in values)
 
 
-def build(header: dict, arrays: dict[str, list[int]], *, relayout: bool = True,
-          version: int = 1) -> bytes:
+def build(
+    header: dict, arrays: dict[str, list[int]], *, relayout: bool = True, version: int = 1
+) -> bytes:
     """Lay out `arrays` after the msgpack-encoded `header` the way encode_plan does and seal it.
     With relayout=False the header's own `arrays` refs (possibly mutated) are kept as they are, and
     the array bytes are still written at the aligned offsets after the header."""
@@ -85,17 +86,65 @@ def build(header: dict, arrays: dict[str, list[int]], *, relayout: bool = True,
 
 # ---- structured mutation (shared by the atheris custom mutator and the hypothesis generator) ----
 
-EVIL_INTS = [0, 1, -1, 2, 3, 7, 15, 16, 17, 63, 64, 65, -64, 2**31 - 1, 2**31, -(2**31), 2**32,
-             2**53 + 1, 2**62, 2**63 - 1, -(2**63), 2**64 - 1]
+EVIL_INTS = [
+    0,
+    1,
+    -1,
+    2,
+    3,
+    7,
+    15,
+    16,
+    17,
+    63,
+    64,
+    65,
+    -64,
+    2**31 - 1,
+    2**31,
+    -(2**31),
+    2**32,
+    2**53 + 1,
+    2**62,
+    2**63 - 1,
+    -(2**63),
+    2**64 - 1,
+]
 EVIL_FLOATS = [0.0, -0.0, 1.0, -1.0, 0.5, 2.0, 1e308, -1e308, 5e-324, math.inf, -math.inf, math.nan]
-EVIL_STRS = ["", "greedy", "top1", "top3", "top99", "bogus", "\x00", "é", "a" * 300,
-             "sha256:", "sha256:" + "0" * 64]
+EVIL_STRS = [
+    "",
+    "greedy",
+    "top1",
+    "top3",
+    "top99",
+    "bogus",
+    "\x00",
+    "é",
+    "a" * 300,
+    "sha256:",
+    "sha256:" + "0" * 64,
+]
 EVIL_ANY = EVIL_INTS + EVIL_FLOATS + EVIL_STRS + [None, True, False, [], {}, [1, 2]]
-SCALARS = ["name", "kapc_version", "model", "model_fingerprint", "tokenizer_fingerprint",
-           "template_fingerprint", "block_size", "prompt_tokens", "prompt_hash",
-           "visible_prompt_tokens", "retained_ratio", "padded_blocks", "k", "accept"]
-NESTED = {"fallback": ["max_retained", "min_acceptance", "acceptance_window", "on_predicted_loss"],
-          "cost": ["weight_bytes", "kv_bytes", "batch", "s", "h", "k", "speedup", "pays"]}
+SCALARS = [
+    "name",
+    "kapc_version",
+    "model",
+    "model_fingerprint",
+    "tokenizer_fingerprint",
+    "template_fingerprint",
+    "block_size",
+    "prompt_tokens",
+    "prompt_hash",
+    "visible_prompt_tokens",
+    "retained_ratio",
+    "padded_blocks",
+    "k",
+    "accept",
+]
+NESTED = {
+    "fallback": ["max_retained", "min_acceptance", "acceptance_window", "on_predicted_loss"],
+    "cost": ["weight_bytes", "kv_bytes", "batch", "s", "h", "k", "speedup", "pays"],
+}
 
 
 def _evil_value(rng: random.Random, old):
@@ -173,8 +222,11 @@ def _mutate_once(header: dict, arrays: dict, rng: random.Random) -> None:
         if refs:
             r = rng.choice(refs)
             i = rng.randrange(4)
-            r[i] = _evil_value(rng, r[i]) if i != 0 else rng.choice(
-                list(ARRAY_NAMES) + ["header", "bogus", ""])
+            r[i] = (
+                _evil_value(rng, r[i])
+                if i != 0
+                else rng.choice(list(ARRAY_NAMES) + ["header", "bogus", ""])
+            )
             if i == 2 and rng.random() < 0.5:
                 r[2] = rng.choice([0, 64, -64, r[2] - 64, r[2] + 64, 2**62])
             if i == 3 and rng.random() < 0.5:

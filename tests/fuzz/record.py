@@ -29,8 +29,13 @@ def limit_memory(mb: int) -> None:
 
 
 class Recorder:
-    def __init__(self, target: str, options: dict | None = None, crash_dir: Path = CRASH_DIR,
-                 write: bool = True):
+    def __init__(
+        self,
+        target: str,
+        options: dict | None = None,
+        crash_dir: Path = CRASH_DIR,
+        write: bool = True,
+    ):
         from tests.fuzz import targets
 
         self.targets = targets
@@ -52,8 +57,12 @@ class Recorder:
             self.record(finding, data)
         took = time.perf_counter() - t
         if took > SLOW_SECONDS:
-            self.record(self.targets.Finding(self.target, "slow", f"over {SLOW_SECONDS:.0f}s",
-                                             f"one input took {took:.1f}s"), data)
+            self.record(
+                self.targets.Finding(
+                    self.target, "slow", f"over {SLOW_SECONDS:.0f}s", f"one input took {took:.1f}s"
+                ),
+                data,
+            )
 
     def record(self, finding, data: bytes) -> None:
         self.findings += 1
@@ -67,9 +76,12 @@ class Recorder:
         if bin_path.exists() and bin_path.stat().st_size <= len(data):
             return
         bin_path.write_bytes(data)
-        preview = "".join(c if c in "\n\t" or (c.isprintable() and not 0xd800 <= ord(c) < 0xe000)
-                          else ascii(c)[1:-1]
-                          for c in data[:600].decode("utf-8", "backslashreplace"))
+        preview = "".join(
+            c
+            if c in "\n\t" or (c.isprintable() and not 0xD800 <= ord(c) < 0xE000)
+            else ascii(c)[1:-1]
+            for c in data[:600].decode("utf-8", "backslashreplace")
+        )
         txt_path.write_text(
             f"signature: {finding.signature}\n"
             f"target: {self.target}\n"
@@ -79,16 +91,21 @@ class Recorder:
             f"rerun: python -m tests.fuzz.replay {bin_path.relative_to(FUZZ_DIR.parent.parent)}\n"
             f"\n--- input (first 600 bytes, utf-8 with backslash escapes) ---\n{preview}\n"
             f"\n--- traceback ---\n{finding.trace or '(no exception: an accepted-but-wrong input)'}\n",
-            encoding="utf-8")
+            encoding="utf-8",
+        )
 
     def summary(self) -> str:
         took = time.perf_counter() - self.t0
         rate = self.runs / took if took > 0 else 0.0
-        lines = [f"== {self.target} {self.options or ''}: {self.runs} inputs run in {took:.0f}s "
-                 f"({rate:.0f}/s), {self.findings} findings, {len(self.by_signature)} distinct"]
+        lines = [
+            f"== {self.target} {self.options or ''}: {self.runs} inputs run in {took:.0f}s "
+            f"({rate:.0f}/s), {self.findings} findings, {len(self.by_signature)} distinct"
+        ]
         by_kind = Counter(sig.split("|")[1] for sig in self.by_signature)
         if by_kind:
-            lines.append("   distinct by kind: " + ", ".join(f"{k} {n}" for k, n in sorted(by_kind.items())))
+            lines.append(
+                "   distinct by kind: " + ", ".join(f"{k} {n}" for k, n in sorted(by_kind.items()))
+            )
         for sig, count in self.by_signature.most_common():
             lines.append(f"   {count:7d}  {sig}  [{self.dir.name}/{self.example[sig]}.bin]")
         return "\n".join(lines)

@@ -19,7 +19,7 @@ def options_for(path: Path) -> dict:
     if path.suffix == ".bin" and txt.exists():
         for line in txt.read_text(encoding="utf-8").splitlines():
             if line.startswith("options: "):
-                return json.loads(line[len("options: "):])
+                return json.loads(line[len("options: ") :])
     return {}
 
 

@@ -47,12 +47,14 @@ KAPB_SRC = "<fuzz>"
 
 # ------------------------------------------------------------------------------------- findings
 
+
 class Finding(AssertionError):
     """kapc broke its contract on an input. `signature` identifies the bug for deduplication:
     target | kind | (exception type + innermost kapc frame, or the name of the violated check)."""
 
-    def __init__(self, target: str, kind: str, key: str, description: str,
-                 exc: BaseException | None = None):
+    def __init__(
+        self, target: str, kind: str, key: str, description: str, exc: BaseException | None = None
+    ):
         self.target, self.kind, self.key, self.description = target, kind, key, description
         self.signature = f"{target}|{kind}|{key}"
         self.trace = "".join(traceback.format_exception(exc)) if exc is not None else ""
@@ -85,8 +87,13 @@ def template(message: str) -> str:
 
 def crash(target: str, stage: str, exc: BaseException) -> Finding:
     msg = str(exc).split("\n")[0][:300]
-    return Finding(target, "crash", f"{type(exc).__name__} at {kapc_frame(exc)}",
-                   f"{stage}: {type(exc).__name__} escaped (not a KapcError): {msg}", exc)
+    return Finding(
+        target,
+        "crash",
+        f"{type(exc).__name__} at {kapc_frame(exc)}",
+        f"{stage}: {type(exc).__name__} escaped (not a KapcError): {msg}",
+        exc,
+    )
 
 
 def _stage(target: str, stage: str, fn, *args, **kwargs):
@@ -100,19 +107,29 @@ def _stage(target: str, stage: str, fn, *args, **kwargs):
 
 
 def _no_location(target: str, stage: str, exc: KapcError, what: str) -> Finding:
-    return Finding(target, "no-location",
-                   f"{type(exc).__name__} at {kapc_frame(exc)}: {template(str(exc))}",
-                   f"{stage} rejected the input but the message has no {what}: {str(exc)[:300]}", exc)
+    return Finding(
+        target,
+        "no-location",
+        f"{type(exc).__name__} at {kapc_frame(exc)}: {template(str(exc))}",
+        f"{stage} rejected the input but the message has no {what}: {str(exc)[:300]}",
+        exc,
+    )
 
 
 def _pass_broke_invariant(target: str, exc: KapcError) -> Finding | None:
     if isinstance(exc, CheckError) and "after pass" in str(exc):
-        return Finding(target, "wrong", f"pass broke an IR invariant: {template(str(exc))}",
-                       f"a pass produced invalid IR from a valid module: {str(exc)[:300]}", exc)
+        return Finding(
+            target,
+            "wrong",
+            f"pass broke an IR invariant: {template(str(exc))}",
+            f"a pass produced invalid IR from a valid module: {str(exc)[:300]}",
+            exc,
+        )
     return None
 
 
 # ------------------------------------------------------------------------------- shared checks
+
 
 def _diff_key(a: Module, b: Module) -> str:
     for name in msgspec.structs.fields(Module):
@@ -124,12 +141,18 @@ def _diff_key(a: Module, b: Module) -> str:
                 return f"{name.name}[count]"
             for u, v in zip(x, y):
                 if u != v:
-                    fields = [f.name for f in msgspec.structs.fields(u) if getattr(u, f.name) !=
-                              getattr(v, f.name, object())]
+                    fields = [
+                        f.name
+                        for f in msgspec.structs.fields(u)
+                        if getattr(u, f.name) != getattr(v, f.name, object())
+                    ]
                     return f"{name.name}.{','.join(fields) or '?'}"
         if isinstance(x, msgspec.Struct) and isinstance(y, msgspec.Struct):
-            fields = [f.name for f in msgspec.structs.fields(x) if getattr(x, f.name) !=
-                      getattr(y, f.name, object())]
+            fields = [
+                f.name
+                for f in msgspec.structs.fields(x)
+                if getattr(x, f.name) != getattr(y, f.name, object())
+            ]
             return f"{name.name}.{','.join(fields) or '?'}"
         return name.name
     return "?"
@@ -143,22 +166,33 @@ def roundtrip(target: str, module: Module) -> None:
         raise crash(target, "print_module", exc) from None
     again, err = _stage(target, "re-parse printed IR", parse_module, text, "<reprint>.kap")
     if err is not None:
-        raise Finding(target, "wrong", f"printed IR does not parse: {template(str(err))}",
-                      f"an accepted module prints as text that does not parse back: "
-                      f"{str(err)[:400]}", err)
+        raise Finding(
+            target,
+            "wrong",
+            f"printed IR does not parse: {template(str(err))}",
+            f"an accepted module prints as text that does not parse back: {str(err)[:400]}",
+            err,
+        )
     if again != module:
         key = _diff_key(module, again)
-        raise Finding(target, "wrong", f"print/parse round trip changes {key}",
-                      f"an accepted module does not survive print_module/parse_module: {key} "
-                      f"differs")
+        raise Finding(
+            target,
+            "wrong",
+            f"print/parse round trip changes {key}",
+            f"an accepted module does not survive print_module/parse_module: {key} differs",
+        )
 
 
 _ACCEPT = re.compile(r"greedy|top[2-9]")
 
 
 def _finite_in(v, lo, hi) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) \
+    return (
+        isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and math.isfinite(v)
         and lo <= v <= hi
+    )
 
 
 def plan_problems(data: bytes, plan) -> list[tuple[str, str]]:
@@ -176,8 +210,12 @@ def plan_problems(data: bytes, plan) -> list[tuple[str, str]]:
         if r.count < 0:
             out.append(("layout: negative array count", f"{r.name} count {r.count}"))
         if 0 <= r.offset < head_end:
-            out.append(("layout: array overlaps the prefix/header",
-                        f"{r.name} at {r.offset}, header ends at {head_end}"))
+            out.append(
+                (
+                    "layout: array overlaps the prefix/header",
+                    f"{r.name} at {r.offset}, header ends at {head_end}",
+                )
+            )
         spans.append((r.offset, r.offset + 4 * max(r.count, 0), r.name))
     spans.sort()
     for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
@@ -211,23 +249,40 @@ def plan_problems(data: bytes, plan) -> list[tuple[str, str]]:
     elif s[0] < 0:
         out.append(("selected_blocks has a negative block", f"{s[:5]}"))
     elif n >= 1 and s[-1] != (n - 1) // bs:
-        out.append(("selected_blocks does not end at the tail block",
-                    f"last {s[-1]}, tail {(n - 1) // bs}"))
+        out.append(
+            (
+                "selected_blocks does not end at the tail block",
+                f"last {s[-1]}, tail {(n - 1) // bs}",
+            )
+        )
     elif n >= 1:
         visible = sum(max(0, min(bs, n - b * bs)) for b in s)
         if visible != pos.size:
-            out.append(("positions are not the visible tokens of the selected blocks",
-                        f"{pos.size} positions, the blocks hold {visible}"))
+            out.append(
+                (
+                    "positions are not the visible tokens of the selected blocks",
+                    f"{pos.size} positions, the blocks hold {visible}",
+                )
+            )
         elif visible <= 10_000_000:
             want = np.concatenate([np.arange(b * bs, min((b + 1) * bs, n)) for b in s])
             if not np.array_equal(want, pos):
-                out.append(("positions are not the visible tokens of the selected blocks",
-                            "same count, other values"))
+                out.append(
+                    (
+                        "positions are not the visible tokens of the selected blocks",
+                        "same count, other values",
+                    )
+                )
     if h.visible_prompt_tokens != pos.size:
-        out.append(("header.visible_prompt_tokens != len(positions)",
-                    f"{h.visible_prompt_tokens} != {pos.size}"))
-    if n >= 1 and not (math.isfinite(h.retained_ratio)
-                       and abs(h.retained_ratio - pos.size / n) <= 1e-6):
+        out.append(
+            (
+                "header.visible_prompt_tokens != len(positions)",
+                f"{h.visible_prompt_tokens} != {pos.size}",
+            )
+        )
+    if n >= 1 and not (
+        math.isfinite(h.retained_ratio) and abs(h.retained_ratio - pos.size / n) <= 1e-6
+    ):
         out.append(("retained_ratio != visible/prompt_tokens", f"{h.retained_ratio}"))
     if h.padded_blocks < sel.size:
         out.append(("padded_blocks < number of selected blocks", f"{h.padded_blocks} < {sel.size}"))
@@ -264,22 +319,33 @@ def check_plan(target: str, data: bytes, *, from_compiler: bool = False) -> None
     plan, err = _stage(target, "decode_plan", decode_plan, data, KAPB_SRC)
     if err is not None:
         if from_compiler:
-            raise Finding(target, "wrong", f"lowered plan does not decode: {template(str(err))}",
-                          f"lower_module wrote a plan decode_plan refuses: {err}", err)
+            raise Finding(
+                target,
+                "wrong",
+                f"lowered plan does not decode: {template(str(err))}",
+                f"lower_module wrote a plan decode_plan refuses: {err}",
+                err,
+            )
         if not str(err).startswith(f"{KAPB_SRC}: "):
             raise _no_location(target, "decode_plan", err, "source/reason")
         return
     try:
         problems = plan_problems(data, plan)
     except Exception as exc:  # noqa: BLE001 - a header whose fields have impossible types
-        raise crash(target, "plan consistency check (harness; header holds odd values)", exc) from None
+        raise crash(
+            target, "plan consistency check (harness; header holds odd values)", exc
+        ) from None
     if problems:
         name, detail = problems[0]
-        more = f" (and {len(problems) - 1} more: {', '.join(p[0] for p in problems[1:4])})" \
-            if len(problems) > 1 else ""
+        more = (
+            f" (and {len(problems) - 1} more: {', '.join(p[0] for p in problems[1:4])})"
+            if len(problems) > 1
+            else ""
+        )
         who = "lower_module wrote" if from_compiler else "decode_plan accepted"
-        raise Finding(target, "wrong", f"plan: {name}", f"{who} an inconsistent plan: {name}: "
-                      f"{detail}{more}")
+        raise Finding(
+            target, "wrong", f"plan: {name}", f"{who} an inconsistent plan: {name}: {detail}{more}"
+        )
 
 
 @functools.lru_cache(maxsize=1)
@@ -296,8 +362,9 @@ def deep_compile(target: str, module: Module, passes: str | None = None) -> None
     from kapc.lower.lower import lower_module
 
     ctx = model_ctx()
-    res, err = _stage(target, "compile_module", compile_module, module, passes, ctx,
-                      roundtrip=False)
+    res, err = _stage(
+        target, "compile_module", compile_module, module, passes, ctx, roundtrip=False
+    )
     if err is not None:
         broke = _pass_broke_invariant(target, err)
         if broke:
@@ -313,9 +380,14 @@ def deep_compile(target: str, module: Module, passes: str | None = None) -> None
 
 # ------------------------------------------------------------------------------------ targets
 
+
 def _has_json_path(message: str) -> bool:
-    rest = message[len(PRIOR_SRC) + 2:] if message.startswith(PRIOR_SRC + ": ") else ""
-    return "$" in rest or rest.startswith("not valid JSON") or bool(re.search(r"\bline \d+, column \d+", rest))
+    rest = message[len(PRIOR_SRC) + 2 :] if message.startswith(PRIOR_SRC + ": ") else ""
+    return (
+        "$" in rest
+        or rest.startswith("not valid JSON")
+        or bool(re.search(r"\bline \d+, column \d+", rest))
+    )
 
 
 def prior(data: bytes, *, deep: bool = False) -> None:
@@ -330,9 +402,13 @@ def prior(data: bytes, *, deep: bool = False) -> None:
 
     def late(stage: str, exc: KapcError) -> Finding:
         return _pass_broke_invariant("prior", exc) or Finding(
-            "prior", "late-reject", f"{type(exc).__name__} at {kapc_frame(exc)}: {template(str(exc))}",
+            "prior",
+            "late-reject",
+            f"{type(exc).__name__} at {kapc_frame(exc)}: {template(str(exc))}",
             f"decode_prior accepted the prior but {stage} rejected it (no JSON path): "
-            f"{str(exc)[:300]}", exc)
+            f"{str(exc)[:300]}",
+            exc,
+        )
 
     module, err = _stage("prior", "module_from_prior", module_from_prior, p)
     if err is not None:
@@ -340,8 +416,15 @@ def prior(data: bytes, *, deep: bool = False) -> None:
     _, err = _stage("prior", "check_module", check_module, module, "ingest")
     if err is not None:
         raise late("check_module", err)
-    res, err = _stage("prior", "ground", run_pipeline, module, parse_pipeline("ground"),
-                      CompileContext(), roundtrip=False)
+    res, err = _stage(
+        "prior",
+        "ground",
+        run_pipeline,
+        module,
+        parse_pipeline("ground"),
+        CompileContext(),
+        roundtrip=False,
+    )
     if err is not None:
         raise late("the ground pass", err)
     roundtrip("prior", res.module)
@@ -367,9 +450,14 @@ def kap(data: bytes, *, deep: bool = False, surrogatepass: bool = False) -> None
         line, col = int(m.group(1)), int(m.group(2))
         lines = text.split("\n")
         if not (1 <= line <= len(lines) and 1 <= col <= len(lines[line - 1]) + 1):
-            raise Finding("kap", "wrong", f"error location outside the text: {template(str(err))}",
-                          f"parse error points at {line}:{col}, but the text has {len(lines)} "
-                          f"line(s) (by \\n): {str(err)[:200]}", err)
+            raise Finding(
+                "kap",
+                "wrong",
+                f"error location outside the text: {template(str(err))}",
+                f"parse error points at {line}:{col}, but the text has {len(lines)} "
+                f"line(s) (by \\n): {str(err)[:200]}",
+                err,
+            )
         return
     _, err = _stage("kap", "check_module", check_module, module, KAP_SRC)
     if err is not None:
@@ -395,22 +483,38 @@ def _int_in(lo, hi=_I64 - 1):
 
 
 DOMAINS = {
-    "ground": {"graph_weight": lambda v: _finite_in(v, 0, 1), "norm": lambda v: v in ("minmax", "rank")},
+    "ground": {
+        "graph_weight": lambda v: _finite_in(v, 0, 1),
+        "norm": lambda v: v in ("minmax", "rank"),
+    },
     "align-spans": {},
-    "select": {"budget_tokens": _int_in(0), "budget_ratio": lambda v: _finite_in(v, 1e-300, 1),
-               "sink": _int_in(0), "window": _int_in(0)},
+    "select": {
+        "budget_tokens": _int_in(0),
+        "budget_ratio": lambda v: _finite_in(v, 1e-300, 1),
+        "sink": _int_in(0),
+        "window": _int_in(0),
+    },
     "resolve-pages": {"block_size": _int_in(1, 2**31 - 1)},
-    "compact": {"k": _int_in(1, 2**31 - 1), "accept": lambda v: bool(_ACCEPT.fullmatch(v)),
-                "expect_acceptance": lambda v: _finite_in(v, 0, 1), "batch": _int_in(1),
-                "dtype_bytes": _int_in(1, 64), "max_retained": lambda v: _finite_in(v, 0, 1),
-                "min_acceptance": lambda v: _finite_in(v, 0, 1), "acceptance_window": _int_in(1),
-                "on_predicted_loss": lambda v: isinstance(v, bool)},
+    "compact": {
+        "k": _int_in(1, 2**31 - 1),
+        "accept": lambda v: bool(_ACCEPT.fullmatch(v)),
+        "expect_acceptance": lambda v: _finite_in(v, 0, 1),
+        "batch": _int_in(1),
+        "dtype_bytes": _int_in(1, 64),
+        "max_retained": lambda v: _finite_in(v, 0, 1),
+        "min_acceptance": lambda v: _finite_in(v, 0, 1),
+        "acceptance_window": _int_in(1),
+        "on_predicted_loss": lambda v: isinstance(v, bool),
+    },
 }
 
 # what each pass runs on when the pipeline target runs it alone (align-spans needs the model)
 _STAGE_BEFORE = {"ground": 0, "select": 2, "resolve-pages": 3, "compact": 4}
-_PLAN_FILES = {2: "q0000-700.2-align-spans.kap", 3: "q0000-700.3-select.kap",
-               4: "q0000-700.4-resolve-pages.kap"}
+_PLAN_FILES = {
+    2: "q0000-700.2-align-spans.kap",
+    3: "q0000-700.3-select.kap",
+    4: "q0000-700.4-resolve-pages.kap",
+}
 
 
 @functools.cache
@@ -437,20 +541,32 @@ def pipeline(data: bytes, *, deep: bool = False) -> None:
         stage = _STAGE_BEFORE.get(p.name)
         if stage is None:
             continue
-        res, err = _stage("pipeline", f"run {p.name}", run_pipeline, stage_module(stage), [p],
-                          CompileContext(), roundtrip=False)
+        res, err = _stage(
+            "pipeline",
+            f"run {p.name}",
+            run_pipeline,
+            stage_module(stage),
+            [p],
+            CompileContext(),
+            roundtrip=False,
+        )
         if err is not None:
             broke = _pass_broke_invariant("pipeline", err)
             if broke:
                 raise broke
             continue
         roundtrip("pipeline", res.module)
-    again, err = _stage("pipeline", "parse_pipeline(pipeline_text)", parse_pipeline,
-                        pipeline_text(passes))
+    again, err = _stage(
+        "pipeline", "parse_pipeline(pipeline_text)", parse_pipeline, pipeline_text(passes)
+    )
     if err is not None or [_opts(p) for p in again] != [_opts(p) for p in passes]:
-        raise Finding("pipeline", "wrong", "pipeline_text does not re-parse to the same passes",
-                      f"{text!r} -> {pipeline_text(passes)!r} -> "
-                      f"{err if err is not None else [_opts(p) for p in again]}")
+        raise Finding(
+            "pipeline",
+            "wrong",
+            "pipeline_text does not re-parse to the same passes",
+            f"{text!r} -> {pipeline_text(passes)!r} -> "
+            f"{err if err is not None else [_opts(p) for p in again]}",
+        )
     run_rejects = {}
     for p in passes:
         domain = DOMAINS.get(p.name, {})
@@ -470,10 +586,13 @@ def pipeline(data: bytes, *, deep: bool = False) -> None:
                         run_rejects[p.name] = "run() rejects it"
                     except Exception:  # noqa: BLE001
                         run_rejects[p.name] = "run() crashes"
-            raise Finding("pipeline", "wrong",
-                          f"parse_pipeline accepts {p.name}.{opt} out of domain ({run_rejects[p.name]})",
-                          f"{text!r}: {p.name}{{{opt.replace('_', '-')}={value!r}}} is outside the "
-                          f"option's domain, yet parse_pipeline accepts it; {run_rejects[p.name]}")
+            raise Finding(
+                "pipeline",
+                "wrong",
+                f"parse_pipeline accepts {p.name}.{opt} out of domain ({run_rejects[p.name]})",
+                f"{text!r}: {p.name}{{{opt.replace('_', '-')}={value!r}}} is outside the "
+                f"option's domain, yet parse_pipeline accepts it; {run_rejects[p.name]}",
+            )
     if deep:
         if passes[0].name == "ground":
             deep_compile("pipeline", stage_module(0), pipeline_text(passes))

@@ -55,10 +55,14 @@ def hf_outputs(model, prompts):
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p.token_ids])
-            gen = model.hf.generate(ids, attention_mask=torch.ones_like(ids),
-                                    max_new_tokens=NEW_TOKENS, do_sample=False,
-                                    pad_token_id=model.tokenizer.eos_token_id)
-            outs.append(gen[0, ids.shape[1]:].tolist())
+            gen = model.hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=model.tokenizer.eos_token_id,
+            )
+            outs.append(gen[0, ids.shape[1] :].tolist())
     return outs
 
 
@@ -66,7 +70,8 @@ def gold_plan(model, prompt, **kw):
     """Attention sink and instruction + gold passages + the question + the tail."""
     from kapc.runtime.planning import plan_from_blocks
 
-    blocks = prompt.instruction_blocks(BLOCK) + prompt.gold_blocks(BLOCK) + \
-        prompt.question_blocks(BLOCK)
+    blocks = (
+        prompt.instruction_blocks(BLOCK) + prompt.gold_blocks(BLOCK) + prompt.question_blocks(BLOCK)
+    )
     kw.setdefault("pays", True)
     return plan_from_blocks(model, prompt.token_ids, blocks, block_size=BLOCK, **kw)

@@ -28,11 +28,14 @@ POLICIES = [
 
 
 @pytest.mark.parametrize("access", POLICIES, ids=lambda a: f"{a.mode}-{a.proxy}")
-def test_every_access_policy_is_lossless_for_a_batch(model, executor, prompts, full_outputs,
-                                                      access):
+def test_every_access_policy_is_lossless_for_a_batch(
+    model, executor, prompts, full_outputs, access
+):
     plans = [gold_plan(model, p, k=4) for p in prompts]
-    reqs = [Request(p.token_ids, plan=pl, max_tokens=NEW_TOKENS, access=access)
-            for p, pl in zip(prompts, plans)]
+    reqs = [
+        Request(p.token_ids, plan=pl, max_tokens=NEW_TOKENS, access=access)
+        for p, pl in zip(prompts, plans)
+    ]
     results, stats = executor.generate(reqs)
     # one choice per layer per draft cycle
     assert stats.select_calls > 0 and stats.select_calls % model.num_layers == 0
@@ -48,9 +51,16 @@ def test_proxy_overlap_is_measured_per_layer(model, executor, prompts):
     p = prompts[0]
     executor.measure_overlap = True
     try:
-        (r,), stats = executor.generate([Request(
-            p.token_ids, plan=gold_plan(model, p, k=4), max_tokens=12,
-            access=AccessPolicy(mode="dynamic", budget=0.2, proxy="es-mid"))])
+        (r,), stats = executor.generate(
+            [
+                Request(
+                    p.token_ids,
+                    plan=gold_plan(model, p, k=4),
+                    max_tokens=12,
+                    access=AccessPolicy(mode="dynamic", budget=0.2, proxy="es-mid"),
+                )
+            ]
+        )
     finally:
         executor.measure_overlap = False
     overlap = stats.overlap_by_layer()
@@ -60,33 +70,55 @@ def test_proxy_overlap_is_measured_per_layer(model, executor, prompts):
     assert sum(overlap.values()) / len(overlap) > 0.5  # a proxy far better than chance
 
 
-def test_a_query_chosen_view_follows_the_draft_better_than_a_poor_static_one(model, executor,
-                                                                            prompts, full_outputs):
+def test_a_query_chosen_view_follows_the_draft_better_than_a_poor_static_one(
+    model, executor, prompts, full_outputs
+):
     """A static plan of distractor passages accepts little; the dynamic view at the same budget,
     chosen by the drafts' own queries, accepts more, and both stay lossless."""
     p = prompts[0]
     blocks = p.distractor_blocks(BLOCK)[::2]
-    plan = plan_from_blocks(model, p.token_ids, blocks, block_size=BLOCK, k=4, pays=True,
-                            fallback=FallbackPolicy(min_acceptance=0.0))
+    plan = plan_from_blocks(
+        model,
+        p.token_ids,
+        blocks,
+        block_size=BLOCK,
+        k=4,
+        pays=True,
+        fallback=FallbackPolicy(min_acceptance=0.0),
+    )
     budget = plan.header.retained_ratio
     n = NEW_TOKENS
     (static,), _ = executor.generate([Request(p.token_ids, plan=plan, max_tokens=n)])
-    (dynamic,), _ = executor.generate([Request(
-        p.token_ids, plan=plan, max_tokens=n, access=AccessPolicy(mode="dynamic", budget=budget))])
+    (dynamic,), _ = executor.generate(
+        [
+            Request(
+                p.token_ids,
+                plan=plan,
+                max_tokens=n,
+                access=AccessPolicy(mode="dynamic", budget=budget),
+            )
+        ]
+    )
     assert static.tokens == dynamic.tokens == full_outputs[0][:n]
     assert dynamic.retained_ratio <= budget + 1e-9
     assert dynamic.acceptance_rate > static.acceptance_rate + 0.1
 
 
-def test_a_static_request_beside_dynamic_ones_keeps_its_view(model, executor, prompts,
-                                                            full_outputs):
+def test_a_static_request_beside_dynamic_ones_keeps_its_view(
+    model, executor, prompts, full_outputs
+):
     plans = [gold_plan(model, p, k=4) for p in prompts]
-    access = [None, AccessPolicy(mode="dynamic", budget=0.2), AccessPolicy(mode="hybrid",
-                                                                           budget=0.3)]
-    reqs = [Request(p.token_ids, plan=pl, max_tokens=NEW_TOKENS, access=a)
-            for p, pl, a in zip(prompts, plans, access)]
+    access = [
+        None,
+        AccessPolicy(mode="dynamic", budget=0.2),
+        AccessPolicy(mode="hybrid", budget=0.3),
+    ]
+    reqs = [
+        Request(p.token_ids, plan=pl, max_tokens=NEW_TOKENS, access=a)
+        for p, pl, a in zip(prompts, plans, access)
+    ]
     results, _ = executor.generate(reqs)
-    assert [r.tokens for r in results] == full_outputs[:len(results)]
+    assert [r.tokens for r in results] == full_outputs[: len(results)]
     assert results[0].access == "static"
     assert results[0].retained_ratio == pytest.approx(plans[0].header.retained_ratio)
 
@@ -95,12 +127,29 @@ def test_a_bad_access_policy_is_refused(model, executor, prompts):
     p = prompts[0]
     free = executor.cache.num_free_blocks
     with pytest.raises(PolicyError, match="budget"):
-        executor.generate([Request(p.token_ids, plan=gold_plan(model, p), max_tokens=4,
-                                   access=AccessPolicy(mode="dynamic", budget=0.0))])
+        executor.generate(
+            [
+                Request(
+                    p.token_ids,
+                    plan=gold_plan(model, p),
+                    max_tokens=4,
+                    access=AccessPolicy(mode="dynamic", budget=0.0),
+                )
+            ]
+        )
     with pytest.raises(PolicyError, match="mix has 2 layers"):
-        executor.generate([Request(p.token_ids, plan=gold_plan(model, p), max_tokens=4,
-                                   access=AccessPolicy(mode="dynamic", budget=0.2,
-                                                       proxy="es-mix", mix=("in", "mid")))])
+        executor.generate(
+            [
+                Request(
+                    p.token_ids,
+                    plan=gold_plan(model, p),
+                    max_tokens=4,
+                    access=AccessPolicy(
+                        mode="dynamic", budget=0.2, proxy="es-mix", mix=("in", "mid")
+                    ),
+                )
+            ]
+        )
     assert executor.cache.num_free_blocks == free  # refused before anything was allocated
 
 
@@ -135,8 +184,20 @@ def test_calibrate_proxy_writes_a_well_formed_mix(model, tmp_path):
     from kapc.proxy_mix import load_mix
 
     out = tmp_path / "mix.json"
-    result = CliRunner().invoke(app, ["calibrate-proxy", "-o", str(out), "--questions", "1",
-                                      "--context", "700", "--tokens", "6"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "calibrate-proxy",
+            "-o",
+            str(out),
+            "--questions",
+            "1",
+            "--context",
+            "700",
+            "--tokens",
+            "6",
+        ],
+    )
     assert result.exit_code == 0, result.output
     mix = load_mix(out)
     L = model.num_layers
@@ -156,8 +217,9 @@ def test_hybrid_reads_the_querys_best_of_the_plans_pages_up_to_its_quota():
     forced = torch.tensor([[True, False, False, False, False, False]])  # the sink
     valid = torch.ones(1, 6, dtype=torch.bool)
     plan = torch.tensor([[False, False, True, True, False, True]])  # the plan's pages 2, 3, 5
-    got = selection.choose(scores, forced, valid, keep=4, preferred=plan,
-                           quota=torch.tensor([hybrid_quota(3, 4 - 1)]))
+    got = selection.choose(
+        scores, forced, valid, keep=4, preferred=plan, quota=torch.tensor([hybrid_quota(3, 4 - 1)])
+    )
     # sink, then the best one of the plan's pages (5), then the query's best others (1, 4)
     assert sorted(got[0].tolist()) == [0, 1, 4, 5]
     assert hybrid_quota(3, 10) == 3 and hybrid_quota(8, 10) == 5 and hybrid_quota(2, 1) == 0

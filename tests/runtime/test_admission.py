@@ -48,8 +48,9 @@ def test_a_prior_compiles_once_per_block_size(ctx):
     assert not first.cached and first.seconds > 0
     assert again.cached and again.seconds == 0.0 and again.data == first.data
     as_object = one.compile(json.loads(text))  # the same prior sent as an object
-    assert decode_plan(as_object.data).header.prompt_hash == \
-        decode_plan(first.data).header.prompt_hash
+    assert (
+        decode_plan(as_object.data).header.prompt_hash == decode_plan(first.data).header.prompt_hash
+    )
     other = PlanCompiler(str(ctx.assets.path), block_size=64, engine="vllm-cpu")
     assert other.key(text.encode()) != one.key(text.encode())
     assert decode_plan(other.compile(text).data).header.block_size == 64
@@ -64,12 +65,18 @@ def test_the_cache_keeps_the_newest_plans(ctx):
     assert small.compile(a).cached
 
 
-@pytest.mark.parametrize("value, where", [
-    ('{"name": "x", "request": {"messages": 3}}', "$.request.messages"),
-    ("{", "prior"),
-    ('{"format": "kapc.prior", "name": "x", "request": {"raw": [{"text": "hi"}]}, '
-     '"units": [{"id": "u", "kind": "passage", "segment": "p9"}]}', "$.units[0].segment"),
-])
+@pytest.mark.parametrize(
+    "value, where",
+    [
+        ('{"name": "x", "request": {"messages": 3}}', "$.request.messages"),
+        ("{", "prior"),
+        (
+            '{"format": "kapc.prior", "name": "x", "request": {"raw": [{"text": "hi"}]}, '
+            '"units": [{"id": "u", "kind": "passage", "segment": "p9"}]}',
+            "$.units[0].segment",
+        ),
+    ],
+)
 def test_a_bad_prior_is_refused_with_its_json_path(compiler, value, where):
     with pytest.raises(KapcError) as err:
         compiler.compile(value)
@@ -112,13 +119,35 @@ def test_chat_and_raw_requests_are_told_apart(tmp_path):
 
 
 def test_a_finished_request_is_logged_under_its_tag():
-    line = finished_line({"tag": "q1", "status": "plan", "source": "prior", "compile_s": 0.25,
-                          "compile_cached": False, "retained_ratio": 0.12, "k": 6,
-                          "accept": "greedy", "proposed": 40, "accepted": 37, "reason": None})
-    assert line == ("kapc request q1: plan, plan from prior, compile 0.250s, s 0.120, "
-                    "k 6 greedy, proposed 40 accepted 37")
-    refused = finished_line({"tag": "q2", "status": "refused", "source": "kapb",
-                             "proposed": 0, "accepted": 0, "reason": "plan refused: truncated"})
+    line = finished_line(
+        {
+            "tag": "q1",
+            "status": "plan",
+            "source": "prior",
+            "compile_s": 0.25,
+            "compile_cached": False,
+            "retained_ratio": 0.12,
+            "k": 6,
+            "accept": "greedy",
+            "proposed": 40,
+            "accepted": 37,
+            "reason": None,
+        }
+    )
+    assert line == (
+        "kapc request q1: plan, plan from prior, compile 0.250s, s 0.120, "
+        "k 6 greedy, proposed 40 accepted 37"
+    )
+    refused = finished_line(
+        {
+            "tag": "q2",
+            "status": "refused",
+            "source": "kapb",
+            "proposed": 0,
+            "accepted": 0,
+            "reason": "plan refused: truncated",
+        }
+    )
     assert refused.endswith("reason: plan refused: truncated")
 
 

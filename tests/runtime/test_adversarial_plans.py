@@ -30,7 +30,9 @@ def _plan(model, p, blocks, **kw):
 
 def _raw(plan, **arrays):
     """The plan with arrays no reader would accept, built past the reader."""
-    return msgspec.structs.replace(plan, **{k: np.asarray(v, dtype="<i4") for k, v in arrays.items()})
+    return msgspec.structs.replace(
+        plan, **{k: np.asarray(v, dtype="<i4") for k, v in arrays.items()}
+    )
 
 
 def adversarial_plans(model, p) -> dict:
@@ -42,12 +44,23 @@ def adversarial_plans(model, p) -> dict:
         "nothing but the tail": nothing,
         "everything": _plan(model, p, range(tail + 1)),
         "only distractors": _plan(model, p, p.distractor_blocks(BLOCK)),
-        "random nonsense, matching hash": _plan(model, p, rng.choice(tail, size=tail // 5,
-                                                                     replace=False)),
-        "pages past the prompt": _raw(nothing, positions=np.concatenate(
-            [nothing.positions, np.arange(P, P + 3 * BLOCK)])),
-        "duplicated and unsorted pages": _raw(nothing, positions=np.concatenate(
-            [np.arange(5 * BLOCK, 6 * BLOCK), np.arange(BLOCK), np.arange(BLOCK), nothing.positions])),
+        "random nonsense, matching hash": _plan(
+            model, p, rng.choice(tail, size=tail // 5, replace=False)
+        ),
+        "pages past the prompt": _raw(
+            nothing, positions=np.concatenate([nothing.positions, np.arange(P, P + 3 * BLOCK)])
+        ),
+        "duplicated and unsorted pages": _raw(
+            nothing,
+            positions=np.concatenate(
+                [
+                    np.arange(5 * BLOCK, 6 * BLOCK),
+                    np.arange(BLOCK),
+                    np.arange(BLOCK),
+                    nothing.positions,
+                ]
+            ),
+        ),
     }
     return plans
 
@@ -58,8 +71,9 @@ def test_adversarial_plans_stay_lossless(model, executor, prompts, full_outputs)
     assert plan_problem(plans["pages past the prompt"]) is not None  # a reader would refuse these
     assert plan_problem(plans["duplicated and unsorted pages"]) is not None
     names = list(plans)
-    results, _ = executor.generate([Request(p.token_ids, plan=plans[n], max_tokens=NEW_TOKENS)
-                                    for n in names])
+    results, _ = executor.generate(
+        [Request(p.token_ids, plan=plans[n], max_tokens=NEW_TOKENS) for n in names]
+    )
     P = len(p.token_ids)
     for name, r in zip(names, results):
         assert r.tokens == full_outputs[2], name
@@ -67,10 +81,14 @@ def test_adversarial_plans_stay_lossless(model, executor, prompts, full_outputs)
         assert 0 < r.visible_prompt_tokens <= P, name
     by = dict(zip(names, results))
     # the executor reports what it read: past-the-prompt positions add nothing, duplicates once
-    assert by["pages past the prompt"].visible_prompt_tokens == \
-        by["nothing but the tail"].visible_prompt_tokens
-    assert by["duplicated and unsorted pages"].visible_prompt_tokens == \
-        by["nothing but the tail"].visible_prompt_tokens + 2 * BLOCK
+    assert (
+        by["pages past the prompt"].visible_prompt_tokens
+        == by["nothing but the tail"].visible_prompt_tokens
+    )
+    assert (
+        by["duplicated and unsorted pages"].visible_prompt_tokens
+        == by["nothing but the tail"].visible_prompt_tokens + 2 * BLOCK
+    )
     assert by["everything"].retained_ratio == 1.0 and by["everything"].acceptance_rate == 1.0
     # nothing held but the prefix cache's entries
     assert set(executor.cache.tables) == {sid for sid, _ in executor._prefixes.values()}

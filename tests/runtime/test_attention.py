@@ -26,9 +26,9 @@ def test_in_place_equals_gathered_attention(q_lens):
         idx = torch.tensor([s for a, m in r.runs for s in range(a, a + m)])
         K = k_pool[:, idx].repeat_interleave(groups, 0)  # [heads, T, hd]
         V = v_pool[:, idx].repeat_interleave(groups, 0)
-        Q = q[r.offset:r.offset + r.q].transpose(0, 1)  # [heads, q, hd]
+        Q = q[r.offset : r.offset + r.q].transpose(0, 1)  # [heads, q, hd]
         T = idx.numel()
         allowed = torch.arange(T)[None, :] <= (r.c + torch.arange(r.q))[:, None]
         want = F.scaled_dot_product_attention(Q, K, V, attn_mask=allowed, scale=0.3)
-        got = out[r.offset:r.offset + r.q].view(r.q, kvh * groups, hd).transpose(0, 1)
+        got = out[r.offset : r.offset + r.q].view(r.q, kvh * groups, hd).transpose(0, 1)
         assert torch.allclose(got, want, atol=1e-12)

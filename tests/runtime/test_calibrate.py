@@ -13,10 +13,19 @@ from kapc.runtime.calibrate import Grid, ReferenceBench, calibrate, cycle_times,
 
 pytestmark = pytest.mark.model
 
-TINY = Grid(contexts=(256, 512), batches=(1, 2), pairs=((0.25, 2), (0.5, 3)), select_pair=(0.25, 3),
-            tolerant_pairs=((0.25, 2), (0.5, 3)), steps=3,
-            acceptance_questions=1, acceptance_contexts=(1024,), budgets=(0.15, 0.5),
-            acceptance_tokens=12, rules=("greedy",))
+TINY = Grid(
+    contexts=(256, 512),
+    batches=(1, 2),
+    pairs=((0.25, 2), (0.5, 3)),
+    select_pair=(0.25, 3),
+    tolerant_pairs=((0.25, 2), (0.5, 3)),
+    steps=3,
+    acceptance_questions=1,
+    acceptance_contexts=(1024,),
+    budgets=(0.15, 0.5),
+    acceptance_tokens=12,
+    rules=("greedy",),
+)
 
 
 class Counting:
@@ -28,9 +37,11 @@ class Counting:
     def __getattr__(self, name):
         attr = getattr(self.bench, name)
         if name in ("plain", "resting", "cycle", "acceptance"):
+
             def counted(*a, **kw):
                 self.calls += 1
                 return attr(*a, **kw)
+
             return counted
         return attr
 
@@ -68,16 +79,18 @@ def test_tiny_calibration_gives_a_well_formed_profile(tmp_path):
     assert dyn is profile.acceptance["greedy+dynamic"] and 0.0 < dyn.p(0.3) < 1.0
     assert [pt[1] for pt in dyn.points] == [pt[1] for pt in fit.points]
     assert [pt[0] for pt in dyn.points] == pytest.approx([pt[0] for pt in fit.points], abs=0.02)
-    assert profile.key == profile_key("reference", profile.model_fingerprint, profile.dtype,
-                                      profile.device, profile.threads)
+    assert profile.key == profile_key(
+        "reference", profile.model_fingerprint, profile.dtype, profile.device, profile.threads
+    )
     assert not (profiles_dir() / f"{profile.key}.partial.jsonl").exists()  # done: no partial
     text = show(profile)
     assert "plain" in text and "acceptance greedy" in text
     # where plans start to pay, per batch measured, at each stated s
     assert "KV_crit" in text
-    table = text[text.index("KV_crit"):].splitlines()[1:]
-    assert table[0].split() == ["s"] + [f"B={b}" for b in sorted(
-        {x.batch for x in profile.samples if x.kind == "verify"})]
+    table = text[text.index("KV_crit") :].splitlines()[1:]
+    assert table[0].split() == ["s"] + [
+        f"B={b}" for b in sorted({x.batch for x in profile.samples if x.kind == "verify"})
+    ]
     assert [row.split()[0] for row in table[1:]] == ["0.05", "0.10", "0.20"]
     assert "draft forwards read: bfloat16 copies" in text
     png = plot(profile, tmp_path / "p.png")
@@ -89,12 +102,19 @@ def test_tiny_calibration_gives_a_well_formed_profile(tmp_path):
     partial = profiles_dir() / f"{profile.key}.partial.jsonl"
     with open(partial, "w") as f:
         for point in TINY.points():
-            f.write(json.dumps({"point": list(point), "samples": [],
-                                "attention_kernel": "kapc's",
-                                "draft_weights": "bfloat16 copies"}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "point": list(point),
+                        "samples": [],
+                        "attention_kernel": "kapc's",
+                        "draft_weights": "bfloat16 copies",
+                    }
+                )
+                + "\n"
+            )
     again = Counting(bench.bench)
-    resumed, _ = calibrate(again, TINY, resume=True, progress=False,
-                           out=tmp_path / "again.json")
+    resumed, _ = calibrate(again, TINY, resume=True, progress=False, out=tmp_path / "again.json")
     assert again.calls == 0
     assert resumed.attention_kernel == "kapc's"
     assert resumed.draft_weights == "bfloat16 copies"
@@ -102,14 +122,24 @@ def test_tiny_calibration_gives_a_well_formed_profile(tmp_path):
     # --only select: the page-choice points alone are measured again, the rest is kept, even
     # where an interrupted full run left other points in the partial file
     with open(partial, "w") as f:
-        f.write(json.dumps({"point": ["plain", 256, 1, 0.0, 1],
-                            "samples": [["plain", 1, 1, 256, 9.9]]}) + "\n")
+        f.write(
+            json.dumps({"point": ["plain", 256, 1, 0.0, 1], "samples": [["plain", 1, 1, 256, 9.9]]})
+            + "\n"
+        )
     once = Counting(bench.bench)
-    redone, _ = calibrate(once, TINY, resume=True, progress=False, out=tmp_path / "only.json",
-                          base=profile, only=("select",))
+    redone, _ = calibrate(
+        once,
+        TINY,
+        resume=True,
+        progress=False,
+        out=tmp_path / "only.json",
+        base=profile,
+        only=("select",),
+    )
     assert once.calls == 4
-    assert [x for x in redone.samples if x.kind != "select"] == \
-        [x for x in profile.samples if x.kind != "select"]
+    assert [x for x in redone.samples if x.kind != "select"] == [
+        x for x in profile.samples if x.kind != "select"
+    ]
     assert [x.kind for x in redone.samples].count("select") == 4
     assert redone.fits["verify"] == profile.fits["verify"]
     assert redone.acceptance == profile.acceptance

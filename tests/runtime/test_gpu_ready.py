@@ -32,8 +32,24 @@ def test_bf16_plan_decoding_is_lossless(prompts):
 def test_gpu_script_runs_end_to_end_on_a_tiny_model(tmp_path):
     from benchmarks.gpu import main
 
-    rc = main(["--out", str(tmp_path), "--device", "cpu", "--dtype", "float32", "--shape", "tiny",
-               "--contexts", "128,256", "--batches", "1,2", "--steps", "2"])
+    rc = main(
+        [
+            "--out",
+            str(tmp_path),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--shape",
+            "tiny",
+            "--contexts",
+            "128,256",
+            "--batches",
+            "1,2",
+            "--steps",
+            "2",
+        ]
+    )
     assert rc == 0
     prof = json.loads((tmp_path / "profile.json").read_text())
     assert prof["engine"] == "reference" and "RANDOM WEIGHTS" in prof["note"]
@@ -41,6 +57,11 @@ def test_gpu_script_runs_end_to_end_on_a_tiny_model(tmp_path):
     # 2 contexts x 2 batches: a plain step, three (s, q) cycles and two top-3 verifications each,
     # and nothing timed twice under another kind's name
     kinds = [smp[0] for smp in prof["samples"]]  # StepSample is array-like: kind first
-    assert {k: kinds.count(k) for k in set(kinds)} == {"plain": 4, "draft": 12, "propose": 12,
-                                                         "verify": 12, "verify_tolerant": 8}
+    assert {k: kinds.count(k) for k in set(kinds)} == {
+        "plain": 4,
+        "draft": 12,
+        "propose": 12,
+        "verify": 12,
+        "verify_tolerant": 8,
+    }
     assert len((tmp_path / "steps.jsonl").read_text().splitlines()) == len(prof["samples"])

@@ -24,13 +24,13 @@ def make_cache(rows_tokens, kv_heads, head_dim, block_size, seed=0):
     table = torch.full((len(rows_tokens), max(per_row) + 2), -1, dtype=torch.int32)
     plain, used = [], 0
     for r, (n, nb) in enumerate(zip(rows_tokens, per_row)):
-        blocks = order[used:used + nb]
+        blocks = order[used : used + nb]
         used += nb
         table[r, :nb] = blocks.to(torch.int32)
         # keys are head-dim-major per block ([head_dim, block_size]), values token-major
         keys = cache[blocks, :, :, :].reshape(nb, kv_heads, 2 * block_size * head_dim)
-        k = keys[:, :, :block_size * head_dim].reshape(nb, kv_heads, head_dim, block_size)
-        v = keys[:, :, block_size * head_dim:].reshape(nb, kv_heads, block_size, head_dim)
+        k = keys[:, :, : block_size * head_dim].reshape(nb, kv_heads, head_dim, block_size)
+        v = keys[:, :, block_size * head_dim :].reshape(nb, kv_heads, block_size, head_dim)
         k = k.permute(0, 3, 1, 2).reshape(nb * block_size, kv_heads, head_dim)[:n]
         v = v.permute(0, 2, 1, 3).reshape(nb * block_size, kv_heads, head_dim)[:n]
         plain.append((k, v))
@@ -51,8 +51,9 @@ def reference(query, qsl, seq_lens, plain, heads, kv_heads, scale):
     return out
 
 
-def run_case(rows_tokens, queries, heads=9, kv_heads=3, head_dim=64, block_size=32, seed=0,
-             strided=False):
+def run_case(
+    rows_tokens, queries, heads=9, kv_heads=3, head_dim=64, block_size=32, seed=0, strided=False
+):
     cache, table, plain = make_cache(rows_tokens, kv_heads, head_dim, block_size, seed)
     qsl = torch.tensor([0] + list(torch.tensor(queries).cumsum(0)), dtype=torch.int32)
     seq_lens = torch.tensor(rows_tokens, dtype=torch.int32)
@@ -60,12 +61,12 @@ def run_case(rows_tokens, queries, heads=9, kv_heads=3, head_dim=64, block_size=
     g = torch.Generator().manual_seed(seed + 1)
     if strided:  # the query as vLLM's attention layer passes it: a view into the fused qkv output
         qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g)
-        query = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+        query = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
         assert not query.is_contiguous()
     else:
         query = torch.randn(tokens, heads, head_dim, generator=g)
     out = torch.full_like(query, float("nan"))
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     paged_attention(query, cache, out, qsl, seq_lens, table, scale)
     want = reference(query, qsl, seq_lens, plain, heads, kv_heads, scale)
     return out, want

@@ -19,20 +19,34 @@ pytestmark = pytest.mark.model
 @pytest.fixture(scope="module")
 def plan_file(model, tmp_path_factory):
     p = build_prompt(model.tokenizer, 3, max_own_tokens=300)
-    plan = plan_from_blocks(model, p.token_ids, [0] + p.gold_blocks(BLOCK) +
-                            p.question_blocks(BLOCK), block_size=BLOCK, k=4, pays=True,
-                            fallback=FallbackPolicy(max_retained=0.95, min_acceptance=0.0))
+    plan = plan_from_blocks(
+        model,
+        p.token_ids,
+        [0] + p.gold_blocks(BLOCK) + p.question_blocks(BLOCK),
+        block_size=BLOCK,
+        k=4,
+        pays=True,
+        fallback=FallbackPolicy(max_retained=0.95, min_acceptance=0.0),
+    )
     path = tmp_path_factory.mktemp("plans") / "q3.kapb"
-    write_plan(path, encode_plan(plan.header, plan.prompt_token_ids, plan.selected_blocks,
-                                 plan.positions))
+    write_plan(
+        path, encode_plan(plan.header, plan.prompt_token_ids, plan.selected_blocks, plan.positions)
+    )
     return path, plan
 
 
 def test_run_plan_file_compare_full(model, plan_file):
     path, plan = plan_file
     r = run_plan_file(path, max_tokens=12, compare_full=True, model=model)
-    for key in ("text", "retained_ratio", "acceptance_rate", "tokens_per_cycle",
-                "speedup_predicted", "identical_to_full", "speedup_measured"):
+    for key in (
+        "text",
+        "retained_ratio",
+        "acceptance_rate",
+        "tokens_per_cycle",
+        "speedup_predicted",
+        "identical_to_full",
+        "speedup_measured",
+    ):
         assert key in r
     assert r["mode"] == "plan" and r["fallback_reason"] is None
     assert r["identical_to_full"] is True and r["text"] == r["full_text"]

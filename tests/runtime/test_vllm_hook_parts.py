@@ -56,8 +56,13 @@ def test_draft_budget_stops_at_the_last_token_the_request_may_emit():
 
 def test_acceptance_bookkeeping():
     assert [accepted_of(4, n) for n in (0, 1, 3, 5, 9)] == [0, 0, 2, 4, 4]
-    st = _ReqState(tag="t", status="plan", k=4, per_pos=[0] * 4,
-                   monitor=AcceptanceMonitor(min_acceptance=0.5, window=8))
+    st = _ReqState(
+        tag="t",
+        status="plan",
+        k=4,
+        per_pos=[0] * 4,
+        monitor=AcceptanceMonitor(min_acceptance=0.5, window=8),
+    )
     st.last_drafted = 4
     record_verification(st, 3)  # two drafts accepted, then the correction
     assert st.accepted == 2 and st.per_pos == [1, 1, 0, 0] and st.last_drafted == 0
@@ -92,21 +97,35 @@ def test_attention_dispatch_sends_few_query_forwards_to_kapcs_kernel():
             return output.fill_(-1.0)
 
     modules = [SimpleNamespace(impl=Backend()) for _ in range(2)]
-    cfg = SimpleNamespace(compilation_config=SimpleNamespace(
-        static_forward_context={"l0": modules[0], "l1": modules[1]}))
+    cfg = SimpleNamespace(
+        compilation_config=SimpleNamespace(
+            static_forward_context={"l0": modules[0], "l1": modules[1]}
+        )
+    )
     layout = compat.AttentionLayout(layer_names=["l0", "l1"], block_size=32, builder=None)
     said, ran = [], []
-    compat.replace_decode_attention(cfg, layout, kernels.paged_attention, max_query=16,
-                                    on_call=lambda i, q: ran.append((i, q)), on_refused=said.append)
+    compat.replace_decode_attention(
+        cfg,
+        layout,
+        kernels.paged_attention,
+        max_query=16,
+        on_call=lambda i, q: ran.append((i, q)),
+        on_refused=said.append,
+    )
     compat.replace_decode_attention(cfg, layout, kernels.paged_attention, max_query=16)  # once
     cache = torch.randn(4, 3, 32, 128)
     table = torch.tensor([[2, 0]], dtype=torch.int32)
 
     def step(q, causal=True, dtype=torch.float32, layer=0):
-        meta = SimpleNamespace(max_query_len=q, causal=causal, dynamic_causal=None,
-                               num_actual_tokens=q, seq_lens=torch.tensor([40], dtype=torch.int32),
-                               query_start_loc=torch.tensor([0, q], dtype=torch.int32),
-                               block_table=table)
+        meta = SimpleNamespace(
+            max_query_len=q,
+            causal=causal,
+            dynamic_causal=None,
+            num_actual_tokens=q,
+            seq_lens=torch.tensor([40], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, q], dtype=torch.int32),
+            block_table=table,
+        )
         query = torch.randn(q, 9, 64, dtype=dtype)
         out = torch.zeros(q, 9, 64, dtype=dtype)
         return modules[layer].impl.forward(None, query, None, None, cache, meta, out)

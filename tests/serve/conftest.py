@@ -41,8 +41,13 @@ class Server:
         from kapc.client import chat_messages
 
         reply = self.client.chat.completions.create(
-            model=self.model, messages=chat_messages(PRIORS[prior_key]), max_tokens=max_tokens,
-            temperature=0, extra_body={"vllm_xargs": xargs} if xargs else None, **kw)
+            model=self.model,
+            messages=chat_messages(PRIORS[prior_key]),
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_body={"vllm_xargs": xargs} if xargs else None,
+            **kw,
+        )
         return reply.choices[0].message.content
 
     def log_text(self) -> str:
@@ -55,8 +60,17 @@ def start_server(log: Path, *options: str, env: dict | None = None):
     from kapc.runtime.vllm.serve import ServeError, free_port, running
 
     port = free_port()
-    argv = [sys.executable, "-m", "kapc", "serve", "--port", str(port), "--max-model-len", "4608",
-            *options]
+    argv = [
+        sys.executable,
+        "-m",
+        "kapc",
+        "serve",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "4608",
+        *options,
+    ]
     url = f"http://127.0.0.1:{port}/v1"
     try:
         with running(argv, url, log, timeout=START_TIMEOUT_S, env=env) as proc:
@@ -70,8 +84,13 @@ def start_server(log: Path, *options: str, env: dict | None = None):
 
 @pytest.fixture(scope="module")  # stopped before the next module starts its own: one at a time
 def server(tmp_path_factory):
-    yield from start_server(tmp_path_factory.mktemp("serve") / "server.log",
-                            "--kv-cache-gib", "2", "--max-num-seqs", "32")
+    yield from start_server(
+        tmp_path_factory.mktemp("serve") / "server.log",
+        "--kv-cache-gib",
+        "2",
+        "--max-num-seqs",
+        "32",
+    )
 
 
 @pytest.fixture(scope="module")

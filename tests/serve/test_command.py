@@ -23,37 +23,49 @@ def test_the_default_server_runs_kapcs_hook_on_the_cached_model():
     a = cmd.argv
     assert a[1:3] == ["-m", a[2]] and a[2].startswith("vllm.entrypoints")
     spec = json.loads(_opt(a, "--speculative-config"))
-    assert spec == {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": MAX_AUTO_K}
+    assert spec == {
+        "method": "custom_class",
+        "model": PROPOSER_CLASS,
+        "num_speculative_tokens": MAX_AUTO_K,
+    }
     assert _opt(a, "--scheduler-cls") == SCHEDULER_CLASS
     assert _opt(a, "--worker-extension-cls") == WORKER_EXTENSION_CLASS
     assert _opt(a, "--middleware") == MIDDLEWARE
     assert _opt(a, "--block-size") == "32"  # vLLM's CPU attention
     # sized, or vLLM's CPU worker asks for 92% of the machine and refuses to start
-    assert int(_opt(a, "--kv-cache-memory-bytes")) == 4 * 2 ** 30
+    assert int(_opt(a, "--kv-cache-memory-bytes")) == 4 * 2**30
     assert cmd.url == "http://127.0.0.1:8123/v1" and cmd.model_name == "smollm2-135m-instruct"
 
 
 def test_options_pass_through_and_the_baseline_has_no_hook():
-    cmd = server_command(hook=False, extra=["--max-num-seqs", "32",
-                                            "--kv-cache-memory-bytes", "1000000000"])
+    cmd = server_command(
+        hook=False, extra=["--max-num-seqs", "32", "--kv-cache-memory-bytes", "1000000000"]
+    )
     assert "--speculative-config" not in cmd.argv and "--middleware" not in cmd.argv
     assert cmd.argv[-4:] == ["--max-num-seqs", "32", "--kv-cache-memory-bytes", "1000000000"]
     assert cmd.argv.count("--kv-cache-memory-bytes") == 1  # the caller's size, not ours
 
 
-@pytest.mark.parametrize("kwargs, says", [
-    ({"block_size": 16}, "multiple of 32"),
-    ({"k": 0}, "at least 1"),
-    ({"model": "/nonexistent/model"}, "not a registered model nor a directory"),
-])
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [
+        ({"block_size": 16}, "multiple of 32"),
+        ({"k": 0}, "at least 1"),
+        ({"model": "/nonexistent/model"}, "not a registered model nor a directory"),
+    ],
+)
 def test_what_the_engine_cannot_run_is_refused_before_it_starts(kwargs, says):
     with pytest.raises(ServeError, match=says):
         server_command(**kwargs)
 
 
 def test_the_command_line_reports_a_bad_option_in_one_line():
-    r = subprocess.run([sys.executable, "-m", "kapc", "serve", "--block-size", "48"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "kapc", "serve", "--block-size", "48"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1
     assert "multiple of 32" in r.stderr and "Traceback" not in r.stderr
 

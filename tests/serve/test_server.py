@@ -47,13 +47,33 @@ def test_plans_and_bad_plans_interleaved(server, reference, kapb):
         ("q3", 24, plan_xargs(prior=PRIORS["q3"], tag=_tag("prior-default"))),
     ]
     bad = [  # (job, what its refusal must say)
-        (("q2", 24, {**plan_xargs(prior=PRIORS["q0-4k"], tag=_tag("other-prompt"))}),
-         "compiled for another prompt"),
+        (
+            ("q2", 24, {**plan_xargs(prior=PRIORS["q0-4k"], tag=_tag("other-prompt"))}),
+            "compiled for another prompt",
+        ),
         (("q0", 24, {"kapc_plan": "not base64!", "kapc_tag": _tag("not-b64")}), "not base64"),
-        (("q1", 24, {"kapc_plan": base64.b64encode(kapb[: len(kapb) // 2]).decode(),
-                     "kapc_tag": _tag("truncated")}), "truncated"),
-        (("q3", 24, {"kapc_prior": '{"name": "x", "request": {"messages": 3}}',
-                     "kapc_tag": _tag("bad-prior")}), "$.request.messages"),
+        (
+            (
+                "q1",
+                24,
+                {
+                    "kapc_plan": base64.b64encode(kapb[: len(kapb) // 2]).decode(),
+                    "kapc_tag": _tag("truncated"),
+                },
+            ),
+            "truncated",
+        ),
+        (
+            (
+                "q3",
+                24,
+                {
+                    "kapc_prior": '{"name": "x", "request": {"messages": 3}}',
+                    "kapc_tag": _tag("bad-prior"),
+                },
+            ),
+            "$.request.messages",
+        ),
         (("q0", 24, {"kapc_prior": "{", "kapc_tag": _tag("not-json")}), "prior refused"),
     ]
     jobs = [j for pair in zip_longest(good, [b for b, _ in bad]) for j in pair if j is not None]
@@ -104,8 +124,9 @@ def test_32_concurrent_requests_of_mixed_lengths(server, reference, kapb):
     assert sum(s["accepted"] for s in planned) > 0
     # a short prompt's plan may keep too much to pay (max_retained): it falls back, by its rules
     assert all(s["status"] in ("plan", "fallback") for s in planned)
-    assert sum(s["status"] == "plan" for s in planned) >= len(planned) // 2, \
-        [s["reason"] for s in planned]
+    assert sum(s["status"] == "plan" for s in planned) >= len(planned) // 2, [
+        s["reason"] for s in planned
+    ]
 
 
 def _kv_usage(server) -> float:
@@ -123,9 +144,13 @@ def test_cancelled_and_abandoned_requests_leak_nothing(server, reference):
 
     tag = _tag("cancelled")
     stream = server.client.chat.completions.create(
-        model=server.model, messages=chat_messages(PRIORS["q3"]), max_tokens=200, temperature=0,
-        stream=True, extra_body={"vllm_xargs": {**plan_xargs(prior=PRIORS["q3"], tag=tag),
-                                                "kapc_opts": FORCE}})
+        model=server.model,
+        messages=chat_messages(PRIORS["q3"]),
+        max_tokens=200,
+        temperature=0,
+        stream=True,
+        extra_body={"vllm_xargs": {**plan_xargs(prior=PRIORS["q3"], tag=tag), "kapc_opts": FORCE}},
+    )
     chunks = 0
     for _ in stream:
         chunks += 1
@@ -136,10 +161,14 @@ def test_cancelled_and_abandoned_requests_leak_nothing(server, reference):
     gone = _tag("abandoned")
     with pytest.raises(Exception):  # noqa: B017 - the client's own timeout, whatever its class
         impatient.chat.completions.create(
-            model=server.model, messages=chat_messages(PRIORS["q0-4k"]), max_tokens=200,
-            temperature=0, extra_body={"vllm_xargs": {**plan_xargs(prior=PRIORS["q0-4k"],
-                                                                  tag=gone),
-                                                      "kapc_opts": FORCE}})
+            model=server.model,
+            messages=chat_messages(PRIORS["q0-4k"]),
+            max_tokens=200,
+            temperature=0,
+            extra_body={
+                "vllm_xargs": {**plan_xargs(prior=PRIORS["q0-4k"], tag=gone), "kapc_opts": FORCE}
+            },
+        )
     # still serving, and identically
     assert server.chat("q2", 16) == reference("q2", 16)
     deadline = time.monotonic() + 60
@@ -192,12 +221,17 @@ def test_tolerant_acceptance_runs_in_the_server(server, reference):
     on its first proposal: nothing calls kapc_bind there). On this prompt greedy verification
     rejects drafts that top-3 accepts."""
     greedy, tolerant = _tag("greedy"), _tag("top3")
-    assert server.chat("q0-4k", 32, {**plan_xargs(prior=PRIORS["q0-4k"], tag=greedy),
-                                     "kapc_opts": FORCE}) \
-        == reference("q0-4k", 32)
-    server.chat("q0-4k", 32, {**plan_xargs(prior=PRIORS["q0-4k"], tag=tolerant),
-                              "kapc_opts": json.dumps({"honor_predicted_loss": False,
-                                                       "accept": "top3"})})
+    assert server.chat(
+        "q0-4k", 32, {**plan_xargs(prior=PRIORS["q0-4k"], tag=greedy), "kapc_opts": FORCE}
+    ) == reference("q0-4k", 32)
+    server.chat(
+        "q0-4k",
+        32,
+        {
+            **plan_xargs(prior=PRIORS["q0-4k"], tag=tolerant),
+            "kapc_opts": json.dumps({"honor_predicted_loss": False, "accept": "top3"}),
+        },
+    )
     g, t = request_stats(server.root, greedy), request_stats(server.root, tolerant)
     assert g["accept"] == "greedy" and t["accept"] == "top3"
     assert g["acceptance_rate"] < 1.0, "this prompt no longer tells the rules apart"

@@ -13,15 +13,21 @@ from tests.serve.conftest import FORCE, PRIORS, start_server
 
 @pytest.fixture(scope="module")
 def tp_server(tmp_path_factory):
-    yield from start_server(tmp_path_factory.mktemp("serve-tp") / "server.log",
-                            "--tensor-parallel-size", "3", "--kv-cache-gib", "1",
-                            env={"VLLM_CPU_OMP_THREADS_BIND": "0|1|0"})
+    yield from start_server(
+        tmp_path_factory.mktemp("serve-tp") / "server.log",
+        "--tensor-parallel-size",
+        "3",
+        "--kv-cache-gib",
+        "1",
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1|0"},
+    )
 
 
 def test_every_rank_drafts_the_same_tokens(tp_server):
     plain = tp_server.chat("q3", 24)
-    planned = tp_server.chat("q3", 24, {**plan_xargs(prior=PRIORS["q3"], tag="tp-q3"),
-                                        "kapc_opts": FORCE})
+    planned = tp_server.chat(
+        "q3", 24, {**plan_xargs(prior=PRIORS["q3"], tag="tp-q3"), "kapc_opts": FORCE}
+    )
     assert planned == plain
     st = request_stats(tp_server.root, "tp-q3")
     assert st["status"] == "plan" and st["accepted"] > 0, st

@@ -47,9 +47,11 @@ def other_block_plans(ctx):
     """The second prompt's plan compiled for block sizes 16 and 64 (the engine runs 32), reading
     its own pages (static), so that what the engine shows follows from the plan's blocks."""
     from kapc.lower.kapb import decode_plan
-    return {bs: decode_plan(compile_prior(PRIORS[1], block_size=bs, k=K, ctx=ctx,
-                                          access="static"))
-            for bs in (16, 64)}
+
+    return {
+        bs: decode_plan(compile_prior(PRIORS[1], block_size=bs, k=K, ctx=ctx, access="static"))
+        for bs in (16, 64)
+    }
 
 
 def _engine(hook: bool):
@@ -57,8 +59,15 @@ def _engine(hook: bool):
 
     # in-process engine core and worker: two engines in one test session start in ~40 s, not
     # ~3 min (each vLLM process re-imports vllm and torch)
-    return make_engine(block_size=BLOCK, k=K, hook=hook, max_model_len=2048, max_num_seqs=8,
-                       kv_cache_gib=1, in_process=True)
+    return make_engine(
+        block_size=BLOCK,
+        k=K,
+        hook=hook,
+        max_model_len=2048,
+        max_num_seqs=8,
+        kv_cache_gib=1,
+        in_process=True,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -34,8 +34,9 @@ def test_batch_identical_to_plain_vllm(engine, cases, baseline):
     from kapc.runtime.vllm import generate
 
     plans = [c.plan for c in cases[:-1]] + [None]
-    res = generate(engine, [c.ids for c in cases], plans, max_tokens=NEW_TOKENS,
-                   honor_predicted_loss=False)
+    res = generate(
+        engine, [c.ids for c in cases], plans, max_tokens=NEW_TOKENS, honor_predicted_loss=False
+    )
     for r, want in zip(res, baseline):
         assert r["tokens"] == want
         assert r["generated_tokens"] == NEW_TOKENS or r["finish_reason"] == "stop"
@@ -61,16 +62,18 @@ def test_mismatched_plans_refused_per_request(engine, cases, baseline):
 
     a, b, c = cases[0], cases[1], cases[2]
     n = 24
-    res = generate(engine, [a.ids, c.ids], [b.plan, c.plan], max_tokens=n,
-                   honor_predicted_loss=False)
+    res = generate(
+        engine, [a.ids, c.ids], [b.plan, c.plan], max_tokens=n, honor_predicted_loss=False
+    )
     assert res[0]["status"] == "refused" and "another prompt" in res[0]["reason"]
     assert res[0]["proposed"] == 0
     _check_reported(res[1], c.plan)
     assert [r["tokens"] for r in res] == [baseline[0][:n], baseline[2][:n]]
 
 
-def test_plans_of_another_block_size_run_on_the_engine_blocks(engine, cases, baseline,
-                                                              other_block_plans):
+def test_plans_of_another_block_size_run_on_the_engine_blocks(
+    engine, cases, baseline, other_block_plans
+):
     """Plans compiled for block sizes 16 and 64 run on the engine's 32-token blocks: a block is
     visible when any token the plan shows lies in it (16: a superset of the plan's tokens; 64: the
     same tokens), the hook says what it adapted, and greedy output stays identical."""
@@ -81,8 +84,14 @@ def test_plans_of_another_block_size_run_on_the_engine_blocks(engine, cases, bas
     plans = [other_block_plans[16], other_block_plans[64]]
     # what is shown is the subject here, not whether it pays: a 16-token plan's view accepts
     # about 0.3, at the acceptance floor (bfloat16 drafts put it at 0.28 in one CI run)
-    res = generate(engine, [b.ids, b.ids], plans, max_tokens=n, honor_predicted_loss=False,
-                   min_acceptance=False)
+    res = generate(
+        engine,
+        [b.ids, b.ids],
+        plans,
+        max_tokens=n,
+        honor_predicted_loss=False,
+        min_acceptance=False,
+    )
     bs = engine.block_size
     P = len(b.ids)
     for r, plan in zip(res, plans):
@@ -135,10 +144,19 @@ def test_run_plan_file_vllm(engine, cases, tmp_path):
     c = cases[1]
     path = tmp_path / "plan.kapb"
     path.write_bytes(c.data)
-    out = run_plan_file_vllm(path, max_tokens=16, compare_full=True, engine=engine,
-                             honor_predicted_loss=False)
-    for key in ("text", "retained_ratio", "acceptance_rate", "tokens_per_cycle",
-                "speedup_predicted", "identical_to_full", "speedup_measured", "timing"):
+    out = run_plan_file_vllm(
+        path, max_tokens=16, compare_full=True, engine=engine, honor_predicted_loss=False
+    )
+    for key in (
+        "text",
+        "retained_ratio",
+        "acceptance_rate",
+        "tokens_per_cycle",
+        "speedup_predicted",
+        "identical_to_full",
+        "speedup_measured",
+        "timing",
+    ):
         assert key in out, key
     assert out["identical_to_full"] is True
     assert out["mode"] == "plan" and out["proposed"] > 0
@@ -163,8 +181,9 @@ def test_identical_to_reference_executor(engine, cases):
     c = cases[1]
     n = 24
     m = load_model()
-    ex = Executor(m, block_size=c.plan.header.block_size, kv_cache_gib=0.25,
-                  honor_predicted_loss=False)
+    ex = Executor(
+        m, block_size=c.plan.header.block_size, kv_cache_gib=0.25, honor_predicted_loss=False
+    )
     (want,), _ = ex.generate([Request(c.ids, plan=c.plan, max_tokens=n)])
     (r,) = generate(engine, [c.ids], [c.plan], max_tokens=n, honor_predicted_loss=False)
     assert want.mode == "plan"
@@ -172,8 +191,10 @@ def test_identical_to_reference_executor(engine, cases):
     assert r["retained_ratio"] == pytest.approx(want.retained_ratio)
     assert r["visible_prompt_tokens"] == want.visible_prompt_tokens
     # same view, same model: acceptance differs only through cycle boundaries at the end
-    assert abs(r["acceptance_rate"] - want.acceptance_rate) <= 0.2, (r["acceptance_rate"],
-                                                                     want.acceptance_rate)
+    assert abs(r["acceptance_rate"] - want.acceptance_rate) <= 0.2, (
+        r["acceptance_rate"],
+        want.acceptance_rate,
+    )
 
 
 def test_plan_as_base64_extra_arg(engine, cases, baseline):
@@ -185,9 +206,15 @@ def test_plan_as_base64_extra_arg(engine, cases, baseline):
     from kapc.runtime.vllm.proposer import OPTS_KEY, PLAN_KEY, TAG_KEY
 
     c = cases[2]
-    sp = SamplingParams(temperature=0.0, max_tokens=12, extra_args={
-        PLAN_KEY: base64.b64encode(c.data).decode(), TAG_KEY: "b64",
-        OPTS_KEY: {"honor_predicted_loss": False}})
+    sp = SamplingParams(
+        temperature=0.0,
+        max_tokens=12,
+        extra_args={
+            PLAN_KEY: base64.b64encode(c.data).decode(),
+            TAG_KEY: "b64",
+            OPTS_KEY: {"honor_predicted_loss": False},
+        },
+    )
     (out,) = engine.llm.generate([{"prompt_token_ids": c.ids}], sp, use_tqdm=False)
     st = engine.stats(pop=True)["requests"]["b64"]
     assert st["status"] == "plan" and st["proposed"] > 0
@@ -202,20 +229,32 @@ def test_a_view_wider_than_the_draft_workspace_falls_back(engine, cases, baselin
     from kapc.runtime.vllm.proposer import OPTS_KEY, PLAN_KEY, TAG_KEY
 
     c = cases[2]
-    sp = SamplingParams(temperature=0.0, max_tokens=12, extra_args={
-        PLAN_KEY: c.data, TAG_KEY: "narrow",
-        OPTS_KEY: {"honor_predicted_loss": False, "max_view_blocks": 1}})
+    sp = SamplingParams(
+        temperature=0.0,
+        max_tokens=12,
+        extra_args={
+            PLAN_KEY: c.data,
+            TAG_KEY: "narrow",
+            OPTS_KEY: {"honor_predicted_loss": False, "max_view_blocks": 1},
+        },
+    )
     (out,) = engine.llm.generate([{"prompt_token_ids": c.ids}], sp, use_tqdm=False)
     st = engine.stats(pop=True)["requests"]["narrow"]
     assert st["status"] == "fallback" and st["reason"].startswith("workspace:")
     assert st["proposed"] == 0
     assert list(out.outputs[0].token_ids) == baseline[2][:12]
     # a workspace that is not a positive number of blocks is refused, saying so
-    sp = SamplingParams(temperature=0.0, max_tokens=4, extra_args={
-        PLAN_KEY: c.data, TAG_KEY: "bad-width", OPTS_KEY: {"max_view_blocks": "wide"}})
+    sp = SamplingParams(
+        temperature=0.0,
+        max_tokens=4,
+        extra_args={PLAN_KEY: c.data, TAG_KEY: "bad-width", OPTS_KEY: {"max_view_blocks": "wide"}},
+    )
     engine.llm.generate([{"prompt_token_ids": c.ids}], sp, use_tqdm=False)
     st = engine.stats(pop=True)["requests"]["bad-width"]
-    assert st["status"] == "refused" and "max_view_blocks" in st["reason"] and "wide" in st["reason"]
+    assert (
+        st["status"] == "refused" and "max_view_blocks" in st["reason"] and "wide" in st["reason"]
+    )
+
 
 def test_top3_tolerant_acceptance(engine, cases, baseline):
     """A top3 row and a greedy row in one batch: the top3 row emits only tokens within the full
@@ -229,24 +268,35 @@ def test_top3_tolerant_acceptance(engine, cases, baseline):
 
     a, b = cases[1], cases[2]
     h = msgspec.structs.replace(a.plan.header, accept="top3")
-    top3 = decode_plan(encode_plan(h, a.plan.prompt_token_ids, a.plan.selected_blocks,
-                                   a.plan.positions))
+    top3 = decode_plan(
+        encode_plan(h, a.plan.prompt_token_ids, a.plan.selected_blocks, a.plan.positions)
+    )
     assert isinstance(top3, Plan)
     n = 32
-    tol, greedy_b = generate(engine, [a.ids, b.ids], [top3, b.plan], max_tokens=n,
-                             honor_predicted_loss=False, min_acceptance=False)
-    (greedy_a,) = generate(engine, [a.ids], [a.plan], max_tokens=n, honor_predicted_loss=False,
-                           min_acceptance=False)
+    tol, greedy_b = generate(
+        engine,
+        [a.ids, b.ids],
+        [top3, b.plan],
+        max_tokens=n,
+        honor_predicted_loss=False,
+        min_acceptance=False,
+    )
+    (greedy_a,) = generate(
+        engine, [a.ids], [a.plan], max_tokens=n, honor_predicted_loss=False, min_acceptance=False
+    )
     assert tol["accept"] == "top3" and greedy_a["accept"] == "greedy"
     assert greedy_b["tokens"] == baseline[2][:n] and greedy_a["tokens"] == baseline[1][:n]
     ranks = ranks_under_full_context(load_model().hf, a.ids, tol["tokens"])
     assert max(ranks) < 3, ranks
     # strictly more: a top3 that silently verified greedily would accept exactly as much
-    assert tol["acceptance_rate"] > greedy_a["acceptance_rate"], (tol["acceptance_rate"],
-                                                                  greedy_a["acceptance_rate"])
+    assert tol["acceptance_rate"] > greedy_a["acceptance_rate"], (
+        tol["acceptance_rate"],
+        greedy_a["acceptance_rate"],
+    )
     # the override through generate(accept=...) reaches the proposer too
-    (over,) = generate(engine, [a.ids], [a.plan], max_tokens=8, honor_predicted_loss=False,
-                       accept="top3")
+    (over,) = generate(
+        engine, [a.ids], [a.plan], max_tokens=8, honor_predicted_loss=False, accept="top3"
+    )
     assert over["accept"] == "top3"
 
 
@@ -272,18 +322,27 @@ def test_adversarial_plans_stay_lossless(engine, cases, baseline):
         return plan_from_blocks(m, c.ids, blocks, block_size=bs, k=4, pays=True, fallback=keep)
 
     nothing = plan([])
-    valid = {"nothing": nothing, "everything": plan(range(tail + 1)),
-             "nonsense": plan(rng.choice(tail, size=max(1, tail // 4), replace=False))}
+    valid = {
+        "nothing": nothing,
+        "everything": plan(range(tail + 1)),
+        "nonsense": plan(rng.choice(tail, size=max(1, tail // 4), replace=False)),
+    }
     h = nothing.header
     bad = {
-        "past the prompt": encode_plan(h, c.ids, [tail, tail + 2],
-                                       np.concatenate([nothing.positions, np.arange(P, P + bs)])),
+        "past the prompt": encode_plan(
+            h, c.ids, [tail, tail + 2], np.concatenate([nothing.positions, np.arange(P, P + bs)])
+        ),
         "duplicated and unsorted": encode_plan(h, c.ids, [3, 1, 1, tail], nothing.positions),
     }
     names = list(valid) + list(bad)
     n = 16
-    res = generate(engine, [c.ids] * len(names), list(valid.values()) + list(bad.values()),
-                   max_tokens=n, honor_predicted_loss=False)
+    res = generate(
+        engine,
+        [c.ids] * len(names),
+        list(valid.values()) + list(bad.values()),
+        max_tokens=n,
+        honor_predicted_loss=False,
+    )
     for name, r in zip(names, res):
         assert r["tokens"] == baseline[3][:n], name
     for name, r in zip(names, res):
@@ -306,15 +365,35 @@ def _write_profile(path, fingerprint: str, verify_s: float, tolerant: bool = Fal
     def fit(features, coef):
         return StepFit(features=features, coef=coef, rel_error=0.0, samples=len(coef))
 
-    save_profile(Profile(
-        engine="vllm-cpu", engine_version="test", model="SmolLM2", model_fingerprint=fingerprint,
-        dtype="float32", device="cpu", threads=2, block_size=32, created="test",
-        fits={"plain": fit(("1", "B", "BV"), (0.0, 0.010, 0.0)),
-              "draft": fit(("1", "B", "BV"), (0.001, 0.0, 0.0)),
-              "verify": fit(("1", "B", "Bq", "BV", "BqV"), (verify_s, 0.010, 0.0, 0.0, 0.0)),
-              **({"verify_tolerant": fit(("1", "B", "Bq", "BV", "BqV"),
-                                         (verify_s, 0.010, 0.0, 0.0, 0.0))} if tolerant else {})},
-        acceptance={}), path)
+    save_profile(
+        Profile(
+            engine="vllm-cpu",
+            engine_version="test",
+            model="SmolLM2",
+            model_fingerprint=fingerprint,
+            dtype="float32",
+            device="cpu",
+            threads=2,
+            block_size=32,
+            created="test",
+            fits={
+                "plain": fit(("1", "B", "BV"), (0.0, 0.010, 0.0)),
+                "draft": fit(("1", "B", "BV"), (0.001, 0.0, 0.0)),
+                "verify": fit(("1", "B", "Bq", "BV", "BqV"), (verify_s, 0.010, 0.0, 0.0, 0.0)),
+                **(
+                    {
+                        "verify_tolerant": fit(
+                            ("1", "B", "Bq", "BV", "BqV"), (verify_s, 0.010, 0.0, 0.0, 0.0)
+                        )
+                    }
+                    if tolerant
+                    else {}
+                ),
+            },
+            acceptance={},
+        ),
+        path,
+    )
     return path
 
 
@@ -332,8 +411,13 @@ def test_step_policy_drafts_only_what_pays_for_the_batch(engine, cases, baseline
     pair = [cases[0], cases[1]]
 
     def run(honor=True):
-        res = generate(engine, [c.ids for c in pair], [c.plan for c in pair],
-                       max_tokens=NEW_TOKENS, honor_predicted_loss=honor)
+        res = generate(
+            engine,
+            [c.ids for c in pair],
+            [c.plan for c in pair],
+            max_tokens=NEW_TOKENS,
+            honor_predicted_loss=honor,
+        )
         assert [r["tokens"] for r in res] == baseline[:2]
         assert all(r["status"] == "plan" for r in res), [r["reason"] for r in res]
         return res
@@ -362,13 +446,19 @@ def test_step_policy_scales_the_profile_by_the_steps_it_times(engine, cases, bas
     statistics say by how much, and outputs stay identical."""
     from kapc.runtime.vllm import generate
 
-    cheap = _write_profile(tmp_path / "cheap.json", cases[0].plan.header.model_fingerprint,
-                           verify_s=0.0)
+    cheap = _write_profile(
+        tmp_path / "cheap.json", cases[0].plan.header.model_fingerprint, verify_s=0.0
+    )
     pair = [cases[0], cases[1]]
     try:
         engine.use_profile(cheap)
-        res = generate(engine, [c.ids for c in pair], [c.plan for c in pair],
-                       max_tokens=NEW_TOKENS, honor_predicted_loss=False)
+        res = generate(
+            engine,
+            [c.ids for c in pair],
+            [c.plan for c in pair],
+            max_tokens=NEW_TOKENS,
+            honor_predicted_loss=False,
+        )
     finally:
         engine.use_profile("none")
     assert [r["tokens"] for r in res] == baseline[:2]
@@ -387,8 +477,10 @@ def test_step_policy_scales_the_profile_by_the_steps_it_times(engine, cases, bas
     # the batch's wall time
     unforecast = res[0]["timing"]["unforecast_s"]
     assert 0 < unforecast < res[0]["batch_s"], (unforecast, res[0]["batch_s"])
-    assert generate(engine, [cases[0].ids], [cases[0].plan],
-                    max_tokens=4)[0]["profile_factors"] is None
+    assert (
+        generate(engine, [cases[0].ids], [cases[0].plan], max_tokens=4)[0]["profile_factors"]
+        is None
+    )
 
 
 def test_top_n_steps_are_timed_as_their_own_kind(engine, cases, tmp_path):
@@ -397,13 +489,20 @@ def test_top_n_steps_are_timed_as_their_own_kind(engine, cases, tmp_path):
     never run, stays as profiled."""
     from kapc.runtime.vllm import generate
 
-    cheap = _write_profile(tmp_path / "cheap.json", cases[0].plan.header.model_fingerprint,
-                           verify_s=0.0, tolerant=True)
+    cheap = _write_profile(
+        tmp_path / "cheap.json", cases[0].plan.header.model_fingerprint, verify_s=0.0, tolerant=True
+    )
     pair = [cases[0], cases[1]]
     try:
         engine.use_profile(cheap)
-        res = generate(engine, [c.ids for c in pair], [c.plan for c in pair],
-                       max_tokens=NEW_TOKENS, honor_predicted_loss=False, accept="top3")
+        res = generate(
+            engine,
+            [c.ids for c in pair],
+            [c.plan for c in pair],
+            max_tokens=NEW_TOKENS,
+            honor_predicted_loss=False,
+            accept="top3",
+        )
     finally:
         engine.use_profile("none")
     assert all(r["proposed"] > 0 for r in res)
@@ -420,8 +519,10 @@ def _draft_copies(worker) -> dict:
 
     p, model = worker.model_runner.drafter, worker.model_runner.model
     copies = p._draft_copies
-    out = {"draft_weights": p.draft_weights, "hidden_layers": p.vllm_config.model_config
-           .hf_config.num_hidden_layers}
+    out = {
+        "draft_weights": p.draft_weights,
+        "hidden_layers": p.vllm_config.model_config.hf_config.num_hidden_layers,
+    }
     if copies is None:
         out["problem"] = compat.DraftWeights.problem(model, torch.float32)
         return out
@@ -457,8 +558,11 @@ def test_drafts_read_bfloat16_copies_of_the_weights(engine, cases, baseline):
     (after,) = engine.llm.collective_rpc(_draft_copies)
     assert r["tokens"] == baseline[1]
     if not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
-        assert r["draft_weights"] == after["draft_weights"] == \
-            f"the model's (float32): {after['problem']}"
+        assert (
+            r["draft_weights"]
+            == after["draft_weights"]
+            == f"the model's (float32): {after['problem']}"
+        )
         assert "no bfloat16 matmul" in after["problem"]
         return
     assert r["draft_weights"] == "bfloat16 copies"
@@ -475,31 +579,35 @@ def test_no_drafts_past_the_last_token_a_request_may_emit(engine, cases, baselin
     and the one cycle left needs one draft, not the plan's k = 4."""
     from kapc.runtime.vllm import generate
 
-    res = generate(engine, [cases[0].ids], [cases[0].plan], max_tokens=3,
-                   honor_predicted_loss=False)
+    res = generate(
+        engine, [cases[0].ids], [cases[0].plan], max_tokens=3, honor_predicted_loss=False
+    )
     assert res[0]["tokens"] == baseline[0][:3]
     assert res[0]["status"] == "plan" and res[0]["k"] == 4
     assert res[0]["timing"]["draft_forwards"] == 1
 
 
-def test_step_policy_times_resting_steps_or_rests_by_measured_rates(engine, cases, baseline,
-                                                                    tmp_path):
+def test_step_policy_times_resting_steps_or_rests_by_measured_rates(
+    engine, cases, baseline, tmp_path
+):
     """Online, rows the policy is free to hold (their plans honoured) never go 16 steps without
     a resting step: the hook holds them for one to time it (`rest_samples`), or has rested them
     because drafting steps delivered fewer tokens a second than resting ones (`held_by_rate`).
     100 tokens take at least 20 steps at k = 4; the outputs stay plain vLLM's."""
     from kapc.runtime.vllm import generate
 
-    cheap = _write_profile(tmp_path / "cheap.json", cases[0].plan.header.model_fingerprint,
-                           verify_s=0.0)
+    cheap = _write_profile(
+        tmp_path / "cheap.json", cases[0].plan.header.model_fingerprint, verify_s=0.0
+    )
     pair = [cases[0], cases[1]]
     try:
         engine.use_profile(cheap)
-        res = generate(engine, [c.ids for c in pair], [c.plan for c in pair], max_tokens=100,
-                       ignore_eos=True)
+        res = generate(
+            engine, [c.ids for c in pair], [c.plan for c in pair], max_tokens=100, ignore_eos=True
+        )
     finally:
         engine.use_profile("none")
-    assert all(r["tokens"][:len(b)] == b for r, b in zip(res, baseline))
+    assert all(r["tokens"][: len(b)] == b for r, b in zip(res, baseline))
     assert all(r["status"] == "plan" and r["held"] > 0 for r in res), res
     timing = res[0]["timing"]
     assert timing["rest_samples"] + timing["held_by_rate"] >= 1, timing
@@ -517,15 +625,26 @@ def test_query_aware_access_is_lossless_in_vllm(engine, cases, baseline):
     idx = [0, 1, 2, 3]
     n = NEW_TOKENS
     plans = [cases[i].plan for i in idx]
-    policies = [AccessPolicy(mode="dynamic", budget=0.3), AccessPolicy(mode="hybrid", budget=0.4),
-                AccessPolicy(mode="dynamic", budget=0.3, proxy="es-mid")]
+    policies = [
+        AccessPolicy(mode="dynamic", budget=0.3),
+        AccessPolicy(mode="hybrid", budget=0.4),
+        AccessPolicy(mode="dynamic", budget=0.3, proxy="es-mid"),
+    ]
+
     def step_log():
         return engine.llm.collective_rpc("kapc_step_log", kwargs={"pop": True})[0]
 
     for access in policies:
         step_log()
-        res = generate(engine, [cases[i].ids for i in idx], plans, max_tokens=n,
-                       honor_predicted_loss=False, min_acceptance=False, access=access)
+        res = generate(
+            engine,
+            [cases[i].ids for i in idx],
+            plans,
+            max_tokens=n,
+            honor_predicted_loss=False,
+            min_acceptance=False,
+            access=access,
+        )
         timing = res[0]["timing"]
         # calibration reads the page choice from the step log, inside the drafts' forwards
         log = step_log()
@@ -536,8 +655,11 @@ def test_query_aware_access_is_lossless_in_vllm(engine, cases, baseline):
             assert r["tokens"] == baseline[i][:n], (access, i)
             assert r["status"] == "plan" and r["access"] == access.mode and r["proposed"] > 0
             P = len(cases[i].ids)
-            floor = max(access.budget, r["plan_retained_ratio"]) if access.mode == "hybrid" \
+            floor = (
+                max(access.budget, r["plan_retained_ratio"])
+                if access.mode == "hybrid"
                 else access.budget
+            )
             assert access.budget - 2 * engine.block_size / P <= r["retained_ratio"] <= floor + 1e-9
         assert res[0]["note"] is None or access.proxy != "query"
         if access.proxy != "query":
@@ -547,8 +669,15 @@ def test_query_aware_access_is_lossless_in_vllm(engine, cases, baseline):
     # the plans are hybrid by default; told to read only its own pages, a request does so
     assert cases[0].plan.header.access.mode == "hybrid"
     step_log()
-    mixed = generate(engine, [cases[0].ids], [cases[0].plan], max_tokens=n,
-                     honor_predicted_loss=False, min_acceptance=False, access=AccessPolicy())
+    mixed = generate(
+        engine,
+        [cases[0].ids],
+        [cases[0].plan],
+        max_tokens=n,
+        honor_predicted_loss=False,
+        min_acceptance=False,
+        access=AccessPolicy(),
+    )
     assert mixed[0]["access"] == "static" and mixed[0]["tokens"] == baseline[0][:n]
     assert all(rec[6] == 0 for rec in step_log())  # static pages: nothing chosen
     assert mixed[0]["retained_ratio"] == pytest.approx(mixed[0]["plan_retained_ratio"], abs=1e-6)
@@ -558,9 +687,14 @@ def test_a_bad_access_option_is_refused_with_the_reason(engine, cases, baseline)
     from kapc.policy import AccessPolicy
     from kapc.runtime.vllm import generate
 
-    bad, good = generate(engine, [cases[0].ids, cases[1].ids], [cases[0].plan, cases[1].plan],
-                         max_tokens=8, honor_predicted_loss=False,
-                         access=AccessPolicy(mode="dynamic", budget=2.0))
+    bad, good = generate(
+        engine,
+        [cases[0].ids, cases[1].ids],
+        [cases[0].plan, cases[1].plan],
+        max_tokens=8,
+        honor_predicted_loss=False,
+        access=AccessPolicy(mode="dynamic", budget=2.0),
+    )
     for r, i in ((bad, 0), (good, 1)):
         assert r["status"] == "refused" and "access budget 2.0" in r["reason"]
         assert r["tokens"] == baseline[i][:8]
@@ -577,15 +711,28 @@ def test_query_aware_access_accepts_like_the_reference_executor(engine, cases):
     c = cases[1]
     n = 32
     access = AccessPolicy(mode="dynamic", budget=0.25)
-    ex = Executor(load_model(), block_size=c.plan.header.block_size, kv_cache_gib=0.25,
-                  honor_predicted_loss=False)
+    ex = Executor(
+        load_model(),
+        block_size=c.plan.header.block_size,
+        kv_cache_gib=0.25,
+        honor_predicted_loss=False,
+    )
     (want,), _ = ex.generate([Request(c.ids, plan=c.plan, max_tokens=n, access=access)])
-    (r,) = generate(engine, [c.ids], [c.plan], max_tokens=n, honor_predicted_loss=False,
-                    min_acceptance=False, access=access)
+    (r,) = generate(
+        engine,
+        [c.ids],
+        [c.plan],
+        max_tokens=n,
+        honor_predicted_loss=False,
+        min_acceptance=False,
+        access=access,
+    )
     assert r["tokens"] == list(want.tokens)[:n]
     assert r["visible_prompt_tokens"] == want.visible_prompt_tokens
-    assert abs(r["acceptance_rate"] - want.acceptance_rate) <= 0.15, (r["acceptance_rate"],
-                                                                      want.acceptance_rate)
+    assert abs(r["acceptance_rate"] - want.acceptance_rate) <= 0.15, (
+        r["acceptance_rate"],
+        want.acceptance_rate,
+    )
 
 
 def _check_wrong_key(worker) -> str:
@@ -622,8 +769,15 @@ def test_unreadable_keys_turn_query_aware_pages_off(engine, cases, baseline):
     c = cases[1]
     engine.llm.collective_rpc(_key_layout, args=("simulated: keys unreadable",))
     try:
-        (r,) = generate(engine, [c.ids], [c.plan], max_tokens=16, honor_predicted_loss=False,
-                        min_acceptance=False, access=AccessPolicy(mode="dynamic", budget=0.25))
+        (r,) = generate(
+            engine,
+            [c.ids],
+            [c.plan],
+            max_tokens=16,
+            honor_predicted_loss=False,
+            min_acceptance=False,
+            access=AccessPolicy(mode="dynamic", budget=0.25),
+        )
     finally:
         engine.llm.collective_rpc(_key_layout, args=(True,))
     assert r["access"] == "static" and "keys unreadable" in r["note"]

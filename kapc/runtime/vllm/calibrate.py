@@ -27,9 +27,15 @@ K_MAX = 8  # the hook engine is started with k = 8: verification of up to q = 9 
 class VllmBench:
     engine_version = ""
 
-    def __init__(self, block_size: int = 32, max_context: int = 7936, max_batch: int = 16,
-                 kv_cache_gib: float | None = None, dtype: str | None = None,
-                 model_dir: str | None = None):
+    def __init__(
+        self,
+        block_size: int = 32,
+        max_context: int = 7936,
+        max_batch: int = 16,
+        kv_cache_gib: float | None = None,
+        dtype: str | None = None,
+        model_dir: str | None = None,
+    ):
         import vllm
 
         from kapc.models import load_assets, resolve
@@ -52,9 +58,11 @@ class VllmBench:
         self.dtype = dtype or default_dtype(self.engine == "vllm-cpu", self.model_dir)
         positions = assets.context_tokens()
         if max_context + 256 > positions:
-            raise KapcError(f"kapc calibrate: a {max_context:,}-token context and the steps timed "
-                            f"after it do not fit {assets.name}'s {positions:,} positions; time "
-                            f"contexts up to {positions - 256:,} (--contexts)")
+            raise KapcError(
+                f"kapc calibrate: a {max_context:,}-token context and the steps timed "
+                f"after it do not fit {assets.name}'s {positions:,} positions; time "
+                f"contexts up to {positions - 256:,} (--contexts)"
+            )
         self.max_model_len = max_context + 256
         self.device = "cpu" if self.engine == "vllm-cpu" else "cuda"
         # the in-process engine runs OMP with every core (make_engine(in_process=True))
@@ -63,19 +71,29 @@ class VllmBench:
         self.max_context, self.max_batch = max_context, max_batch
         if self.engine == "vllm-cpu":
             # every row stays cached, so the whole batch must fit, not just one sequence
-            plan = size_cpu_engine(self.model_dir, self.dtype, max_context + 1024, max_batch,
-                                   requested_gib=kv_cache_gib, draft_copies=True,
-                                   what="kapc calibrate")
+            plan = size_cpu_engine(
+                self.model_dir,
+                self.dtype,
+                max_context + 1024,
+                max_batch,
+                requested_gib=kv_cache_gib,
+                draft_copies=True,
+                what="kapc calibrate",
+            )
             if kv_cache_gib is None and plan.kv_cache_gib < plan.wanted_gib:
                 per_row = plan.wanted_gib / max_batch
-                fits = [b for b in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-                        if b * per_row <= plan.room_gib]
+                fits = [
+                    b
+                    for b in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+                    if b * per_row <= plan.room_gib
+                ]
                 raise KapcError(
                     f"kapc calibrate: batch {max_batch} at {max_context} tokens needs a "
                     f"{plan.wanted_gib:.1f} GiB KV cache and {plan.room_gib:.1f} GiB is left "
                     f"for it beside {plan.weights_gib:.1f} GiB of weights; time smaller batches"
                     + (f" (--batches up to {max(fits)})" if fits else "")
-                    + " or shorter contexts (--contexts)")
+                    + " or shorter contexts (--contexts)"
+                )
             self.kv_cache_gib = plan.kv_cache_gib
         else:
             self.kv_cache_gib = kv_cache_gib
@@ -94,11 +112,17 @@ class VllmBench:
 
         if self._method != method:
             self.close()
-            self._eng = make_engine(self.model_dir, block_size=self.block_size,
-                                    k=K_MAX if method == "kapc" else 4, method=method,
-                                    max_model_len=self.max_model_len,
-                                    max_num_seqs=self.max_batch, kv_cache_gib=self.kv_cache_gib,
-                                    in_process=True, dtype=self.dtype)
+            self._eng = make_engine(
+                self.model_dir,
+                block_size=self.block_size,
+                k=K_MAX if method == "kapc" else 4,
+                method=method,
+                max_model_len=self.max_model_len,
+                max_num_seqs=self.max_batch,
+                kv_cache_gib=self.kv_cache_gib,
+                in_process=True,
+                dtype=self.dtype,
+            )
             self._method = method
             self._warm = set()
         return self._eng
@@ -137,8 +161,10 @@ class VllmBench:
         log = eng.llm.collective_rpc("kapc_step_log", kwargs={"pop": pop})[0]
         if log and not self.attention_kernel:  # the proposer has set up: it knows its kernel
             stats = eng.stats(pop=False)
-            self.attention_kernel, self.draft_weights = (stats["attention_kernel"],
-                                                         stats["draft_weights"])
+            self.attention_kernel, self.draft_weights = (
+                stats["attention_kernel"],
+                stats["draft_weights"],
+            )
         return log
 
     def resting(self, L: int, B: int, steps: int) -> float:
@@ -151,8 +177,16 @@ class VllmBench:
         log = self._step_log(eng)
         return median_step([b[1] - a[1] for a, b in zip(log, log[1:])])
 
-    def cycle(self, L: int, B: int, s: float, q: int, steps: int,
-              access: str = "static", accept: str = "greedy") -> CycleTimes:
+    def cycle(
+        self,
+        L: int,
+        B: int,
+        s: float,
+        q: int,
+        steps: int,
+        access: str = "static",
+        accept: str = "greedy",
+    ) -> CycleTimes:
         from kapc.lower.kapb import FallbackPolicy
         from kapc.policy import AccessPolicy
         from kapc.runtime.planning import PlanTarget, plan_from_blocks, spread_blocks
@@ -161,17 +195,37 @@ class VllmBench:
         eng = self._engine("kapc")
         rows = self._rows(eng, L, B)
         target, keep = PlanTarget(self.assets), FallbackPolicy(min_acceptance=0.0, max_retained=1.0)
-        plans = [plan_from_blocks(target, ids, spread_blocks(L, self.block_size, s),
-                                  block_size=self.block_size, k=q - 1, pays=True, fallback=keep)
-                 for ids in rows]
+        plans = [
+            plan_from_blocks(
+                target,
+                ids,
+                spread_blocks(L, self.block_size, s),
+                block_size=self.block_size,
+                k=q - 1,
+                pays=True,
+                fallback=keep,
+            )
+            for ids in rows
+        ]
         self._step_log(eng)
         policies = None if access == "static" else [AccessPolicy(mode=access, budget=s)] * B
-        generate(eng, rows, plans, max_tokens=steps * q + 4, ignore_eos=True,
-                 honor_predicted_loss=False, min_acceptance=False, k=q - 1, access=policies,
-                 accept=accept)
+        generate(
+            eng,
+            rows,
+            plans,
+            max_tokens=steps * q + 4,
+            ignore_eos=True,
+            honor_predicted_loss=False,
+            min_acceptance=False,
+            k=q - 1,
+            access=policies,
+            accept=accept,
+        )
         return cycle_times(self._step_log(eng), B, q)
 
-    def acceptance(self, grid: Grid, context: int) -> dict[str, list[tuple[float, int, float, int]]]:
+    def acceptance(
+        self, grid: Grid, context: int
+    ) -> dict[str, list[tuple[float, int, float, int]]]:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
@@ -183,18 +237,26 @@ class VllmBench:
             # (docs/vllm.md): build the priors and plans in a child, every context at once
             self.close()
             with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-                self._accept_cases = {L: pool.submit(build_acceptance_cases, grid, L,
-                                                     self.block_size, k).result()
-                                      for L in grid.acceptance_contexts}
+                self._accept_cases = {
+                    L: pool.submit(build_acceptance_cases, grid, L, self.block_size, k).result()
+                    for L in grid.acceptance_contexts
+                }
         eng = self._engine("kapc")
         pts: dict[str, list] = {}
         for ids, plans in self._accept_cases[context]:
             for mode in grid.access_modes:
                 for rule in grid.rules:
-                    res = generate(eng, [ids] * len(plans), plans,
-                                   max_tokens=grid.acceptance_tokens, ignore_eos=True,
-                                   honor_predicted_loss=False, min_acceptance=False, k=k,
-                                   accept=rule, access=access_of(mode, plans))
-                    pts.setdefault(acceptance_key(rule, mode), []).extend(
-                        acceptance_points(res, k))
+                    res = generate(
+                        eng,
+                        [ids] * len(plans),
+                        plans,
+                        max_tokens=grid.acceptance_tokens,
+                        ignore_eos=True,
+                        honor_predicted_loss=False,
+                        min_acceptance=False,
+                        k=k,
+                        accept=rule,
+                        access=access_of(mode, plans),
+                    )
+                    pts.setdefault(acceptance_key(rule, mode), []).extend(acceptance_points(res, k))
         return pts

@@ -54,17 +54,23 @@ def attention_layout(runner) -> AttentionLayout:
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     groups = runner.kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec) \
-            or getattr(groups[0].kv_cache_spec, "sliding_window", None):
+    if (
+        len(groups) != 1
+        or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec)
+        or getattr(groups[0].kv_cache_spec, "sliding_window", None)
+    ):
         raise UnsupportedAttention(
             "kapc's vLLM hook needs one full-attention KV cache group; this model has "
-            f"{[type(g.kv_cache_spec).__name__ for g in groups]}")
+            f"{[type(g.kv_cache_spec).__name__ for g in groups]}"
+        )
     attn_groups = runner.attn_groups[0]
     if len(attn_groups) != 1:
         raise UnsupportedAttention("kapc's vLLM hook needs a single attention backend group")
-    return AttentionLayout(layer_names=list(groups[0].layer_names),
-                           block_size=int(groups[0].kv_cache_spec.block_size),
-                           builder=attn_groups[0].get_metadata_builder())
+    return AttentionLayout(
+        layer_names=list(groups[0].layer_names),
+        block_size=int(groups[0].kv_cache_spec.block_size),
+        builder=attn_groups[0].get_metadata_builder(),
+    )
 
 
 def batch_request_ids(runner) -> list[str]:
@@ -82,10 +88,19 @@ def live_request_ids(runner) -> set[str]:
     return set(runner.requests)
 
 
-def draft_logits(runner, vllm_config, layout: AttentionLayout, tables: list[list[int]],
-                 seq_lens: list[int], slots: list[int], positions: list[int], token_ids: list[int],
-                 step: int, on_block_table=None, weights: DraftWeights | None = None
-                 ) -> torch.Tensor:
+def draft_logits(
+    runner,
+    vllm_config,
+    layout: AttentionLayout,
+    tables: list[list[int]],
+    seq_lens: list[int],
+    slots: list[int],
+    positions: list[int],
+    token_ids: list[int],
+    step: int,
+    on_block_table=None,
+    weights: DraftWeights | None = None,
+) -> torch.Tensor:
     """One forward of the target model for one query token per row, each row attending over its
     own block table `tables[i]` (a compact view: `seq_lens[i]` tokens) at its true logical
     position, writing its K/V to `slots[i]`. Returns logits [rows, vocab]. `on_block_table(t)`
@@ -100,7 +115,7 @@ def draft_logits(runner, vllm_config, layout: AttentionLayout, tables: list[list
     width = max(len(t) for t in tables)
     bt = torch.zeros((n, width), dtype=torch.int32)
     for j, t in enumerate(tables):
-        bt[j, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        bt[j, : len(t)] = torch.tensor(t, dtype=torch.int32)
     seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
     qsl_cpu = torch.arange(n + 1, dtype=torch.int32)
     slot_t = torch.tensor(slots, dtype=torch.int64)
@@ -111,24 +126,41 @@ def draft_logits(runner, vllm_config, layout: AttentionLayout, tables: list[list
         bt, seq_lens_t, qsl = bt.to(device), seq_lens_cpu.to(device), qsl_cpu.to(device)
         slot_t, pos_t, ids_t = slot_t.to(device), pos_t.to(device), ids_t.to(device)
     cam = CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl_cpu, seq_lens=seq_lens_t, num_reqs=n,
-        num_actual_tokens=n, max_query_len=1, max_seq_len=max(seq_lens), block_table_tensor=bt,
-        slot_mapping=slot_t, causal=True, positions=pos_t, seq_lens_cpu_upper_bound=seq_lens_cpu)
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl_cpu,
+        seq_lens=seq_lens_t,
+        num_reqs=n,
+        num_actual_tokens=n,
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        block_table_tensor=bt,
+        slot_mapping=slot_t,
+        causal=True,
+        positions=pos_t,
+        seq_lens_cpu_upper_bound=seq_lens_cpu,
+    )
     meta = layout.builder.build_for_drafting(common_attn_metadata=cam, draft_index=step)
     if on_block_table is not None:
         if getattr(meta, "block_table", None) is not bt:
-            raise UnsupportedAttention("this attention backend copies the block table into its "
-                                       "metadata; per-layer page choice cannot edit it")
+            raise UnsupportedAttention(
+                "this attention backend copies the block table into its "
+                "metadata; per-layer page choice cannot edit it"
+            )
         on_block_table(bt)
     per_layer = {name: meta for name in layout.layer_names}
     # a layer missing from slot_mapping silently skips its KV write: name every one
     if weights is not None:
         weights.active = True
     try:
-        with set_forward_context(per_layer, vllm_config, num_tokens=n,
-                                 slot_mapping={name: slot_t for name in layout.layer_names}):
-            hidden = runner.model(input_ids=ids_t, positions=pos_t, intermediate_tensors=None,
-                                  inputs_embeds=None)
+        with set_forward_context(
+            per_layer,
+            vllm_config,
+            num_tokens=n,
+            slot_mapping={name: slot_t for name in layout.layer_names},
+        ):
+            hidden = runner.model(
+                input_ids=ids_t, positions=pos_t, intermediate_tensors=None, inputs_embeds=None
+            )
         return runner.model.compute_logits(hidden)
     finally:
         if weights is not None:
@@ -206,8 +238,10 @@ def _draft_linear_size(module) -> int:
         VocabParallelEmbedding,
     )
 
-    if not callable(getattr(module, "cpu_linear", None)) \
-            or module.cpu_linear is torch.nn.functional.linear:
+    if (
+        not callable(getattr(module, "cpu_linear", None))
+        or module.cpu_linear is torch.nn.functional.linear
+    ):
         return 0
     if isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead):
         return 0
@@ -228,8 +262,13 @@ def before_rejection_sampling(runner, adjust) -> None:
             rows, start = [], 0
             for row, n in enumerate(metadata.num_draft_tokens):
                 if n:
-                    rows.append((row, metadata.target_logits_indices[start:start + n],
-                                 metadata.draft_token_ids[start:start + n]))
+                    rows.append(
+                        (
+                            row,
+                            metadata.target_logits_indices[start : start + n],
+                            metadata.draft_token_ids[start : start + n],
+                        )
+                    )
                 start += n
             if rows:
                 adjust(rows, logits)
@@ -270,14 +309,19 @@ def attention_kernel_problem(vllm_config, layout: AttentionLayout) -> str | None
             return f"vLLM-CPU runs its {getattr(module, 'isa', '?')!r} kernel (layout unknown)"
         if impl.kv_cache_dtype != "auto" or vllm_config.model_config.dtype != torch.float32:
             return "the KV cache is not float32"
-        if impl.alibi_slopes is not None or impl.sliding_window != -1 \
-                or impl.logits_soft_cap or impl.sinks is not None:
+        if (
+            impl.alibi_slopes is not None
+            or impl.sliding_window != -1
+            or impl.logits_soft_cap
+            or impl.sinks is not None
+        ):
             return "the attention has ALiBi, a sliding window, a soft cap or sinks"
     return None
 
 
-def replace_decode_attention(vllm_config, layout: AttentionLayout, kernel, max_query: int,
-                             on_call=None, on_refused=None) -> None:
+def replace_decode_attention(
+    vllm_config, layout: AttentionLayout, kernel, max_query: int, on_call=None, on_refused=None
+) -> None:
     """Run `kernel(query, kv_cache, output, query_start_loc, seq_lens, block_table, scale)` instead
     of vLLM-CPU's attention kernel in every forward whose rows have at most `max_query` query
     tokens: decode steps, draft forwards and verification steps. Prefill chunks keep vLLM's. The
@@ -294,16 +338,40 @@ def replace_decode_attention(vllm_config, layout: AttentionLayout, kernel, max_q
             continue
         original = impl.forward
 
-        def forward(layer, query, key, value, kv_cache, attn_metadata, output, *args,
-                    _original=original, _impl=impl, _i=i, **kwargs):
+        def forward(
+            layer,
+            query,
+            key,
+            value,
+            kv_cache,
+            attn_metadata,
+            output,
+            *args,
+            _original=original,
+            _impl=impl,
+            _i=i,
+            **kwargs,
+        ):
             m = attn_metadata
-            if refused or m is None or m.max_query_len > max_query or m.causal is not True \
-                    or getattr(m, "dynamic_causal", None) is not None:
+            if (
+                refused
+                or m is None
+                or m.max_query_len > max_query
+                or m.causal is not True
+                or getattr(m, "dynamic_causal", None) is not None
+            ):
                 return _original(layer, query, key, value, kv_cache, m, output, *args, **kwargs)
             n = m.num_actual_tokens
             try:
-                kernel(query[:n], kv_cache, output[:n], m.query_start_loc, m.seq_lens,
-                       m.block_table, _impl.scale)
+                kernel(
+                    query[:n],
+                    kv_cache,
+                    output[:n],
+                    m.query_start_loc,
+                    m.seq_lens,
+                    m.block_table,
+                    _impl.scale,
+                )
             except KapcError as exc:
                 refused.append(str(exc))
                 if on_refused is not None:
@@ -329,8 +397,9 @@ def _keys_hd_major(kv: torch.Tensor) -> torch.Tensor:
 def _cpu_cache(module) -> torch.Tensor:
     kv = module.kv_cache
     if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.device.type != "cpu":
-        raise UnsupportedAttention("per-page key bounds read vLLM's CPU KV cache layout; this "
-                                   "engine's is not it")
+        raise UnsupportedAttention(
+            "per-page key bounds read vLLM's CPU KV cache layout; this engine's is not it"
+        )
     return kv
 
 
@@ -355,8 +424,10 @@ def check_key_layout(vllm_config, layout: AttentionLayout, slot: int, key: torch
     bs = keys.shape[-1]
     got = keys[slot // bs, :, :, slot % bs]
     if not torch.allclose(got.float(), key.float(), rtol=1e-2, atol=1e-3):
-        raise UnsupportedAttention("vLLM's CPU KV cache does not hold keys where kapc reads them "
-                                   "(head_dim-major per block): query-aware pages are off")
+        raise UnsupportedAttention(
+            "vLLM's CPU KV cache does not hold keys where kapc reads them "
+            "(head_dim-major per block): query-aware pages are off"
+        )
 
 
 def cpu_has_bf16() -> bool:
@@ -378,14 +449,17 @@ def cpu_kv_room_gib(node: int = 0) -> float | None:
 
 # ---- the OpenAI-compatible server (kapc serve) -----------------------------------------------
 
+
 def api_server_module() -> str:
     """The module `python -m` starts vLLM's OpenAI-compatible server from. `vllm serve` itself
     cannot be used with the vllm-cpu package: its command line asks for the version of a
     distribution named `vllm` and finds none (PackageNotFoundError)."""
     import importlib.util
 
-    for name in ("vllm.entrypoints.launchers.api_server.entry",  # 0.32
-                 "vllm.entrypoints.openai.api_server"):  # earlier
+    for name in (
+        "vllm.entrypoints.launchers.api_server.entry",  # 0.32
+        "vllm.entrypoints.openai.api_server",
+    ):  # earlier
         try:
             if importlib.util.find_spec(name) is not None:
                 return name

@@ -68,15 +68,20 @@ def attention_problems(hf_config) -> list[str]:
         sw = getattr(c, "sliding_window", None)
         use_sw = getattr(c, "use_sliding_window", True)
         if sw not in (None, 0, -1) and use_sw:
-            problems.append(f"sliding-window attention (window {sw}): the window would be taken "
-                            f"over compact-view indices, not logical positions")
-        if getattr(c, "layer_types", None) and any(
-                t != "full_attention" for t in c.layer_types):
-            problems.append("layers other than full attention "
-                            f"({sorted(set(c.layer_types) - {'full_attention'})})")
+            problems.append(
+                f"sliding-window attention (window {sw}): the window would be taken "
+                f"over compact-view indices, not logical positions"
+            )
+        if getattr(c, "layer_types", None) and any(t != "full_attention" for t in c.layer_types):
+            problems.append(
+                "layers other than full attention "
+                f"({sorted(set(c.layer_types) - {'full_attention'})})"
+            )
         if getattr(c, "alibi", False) or getattr(c, "position_embedding_type", "") == "alibi":
-            problems.append("ALiBi position biases are computed from KV indices, which the "
-                            "compact view renumbers")
+            problems.append(
+                "ALiBi position biases are computed from KV indices, which the "
+                "compact view renumbers"
+            )
         if getattr(c, "kv_lora_rank", None):
             problems.append("multi-head latent attention (MLA)")
     return problems
@@ -142,17 +147,28 @@ class _ReqState:
         # finished at that step): they count neither as proposed nor as accepted
         proposed = self.proposed - self.last_drafted
         return {
-            "tag": self.tag, "status": self.status, "reason": self.reason, "note": self.note,
-            "plan": self.plan_name, "prompt_tokens": self.prompt_tokens,
+            "tag": self.tag,
+            "status": self.status,
+            "reason": self.reason,
+            "note": self.note,
+            "plan": self.plan_name,
+            "prompt_tokens": self.prompt_tokens,
             "visible_prompt_tokens": self.visible_prompt_tokens,
-            "retained_ratio": self.retained_ratio, "plan_retained_ratio": self.plan_retained_ratio,
-            "accept": self.accept, "k": self.k, "proposed": proposed,
-            "accepted": self.accepted, "cycles": self.cycles, "steps": self.steps,
+            "retained_ratio": self.retained_ratio,
+            "plan_retained_ratio": self.plan_retained_ratio,
+            "accept": self.accept,
+            "k": self.k,
+            "proposed": proposed,
+            "accepted": self.accepted,
+            "cycles": self.cycles,
+            "steps": self.steps,
             "acceptance_rate": self.accepted / proposed if proposed else None,
-            "accepted_per_pos": list(self.per_pos), "held": self.held,
+            "accepted_per_pos": list(self.per_pos),
+            "held": self.held,
             "speedup_predicted": self.speedup_predicted,
             "access": self.access.mode if self.access is not None else "static",
-            "source": self.source, "compile_s": self.compile_s,
+            "source": self.source,
+            "compile_s": self.compile_s,
             "compile_cached": self.compile_cached,
         }
 
@@ -187,12 +203,21 @@ class KapProposer:
         # them began (time.monotonic, which generate() shares), so that the steps before it (the
         # prefill's) count in a run's forecast at what they took (policy.run_forecast)
         # select_s / select_choices: query-aware page choice (dynamic and hybrid access)
-        self.timing = {"propose_s": 0.0, "draft_forwards": 0, "draft_rows": 0, "calls": 0,
-                       "forecast_s": 0.0, "plain_forecast_s": 0.0, "forecast_tokens": 0.0,
-                       "forecast_from": 0.0,
-                       "select_s": 0.0,
-                       "select_choices": 0, "kernel_steps": 0, "rest_samples": 0,
-                       "held_by_rate": 0}
+        self.timing = {
+            "propose_s": 0.0,
+            "draft_forwards": 0,
+            "draft_rows": 0,
+            "calls": 0,
+            "forecast_s": 0.0,
+            "plain_forecast_s": 0.0,
+            "forecast_tokens": 0.0,
+            "forecast_from": 0.0,
+            "select_s": 0.0,
+            "select_choices": 0,
+            "kernel_steps": 0,
+            "rest_samples": 0,
+            "held_by_rate": 0,
+        }
         # the attention kernel of decode, draft and verification forwards ("kapc's", or "vLLM's:"
         # and why not kapc's)
         self.attention_kernel = "not yet known (set at the first proposal)"
@@ -216,8 +241,9 @@ class KapProposer:
         self.step_log: deque = deque(maxlen=100_000)
         problems = attention_problems(vllm_config.model_config.hf_config)
         if problems:
-            raise UnsupportedAttention("kapc's vLLM hook cannot run this model: "
-                                       + "; ".join(problems))
+            raise UnsupportedAttention(
+                "kapc's vLLM hook cannot run this model: " + "; ".join(problems)
+            )
 
     # ---- vLLM interface ---------------------------------------------------------------------
     def load_model(self, target_model) -> None:
@@ -262,12 +288,15 @@ class KapProposer:
             self.block_size = self._layout.block_size
             self._set_profile(self._find_profile(runner))
             if self._profile is None:
-                log.warning("kapc: no calibration profile for %s and this model on this "
-                            "machine: each plan's compile-time prediction (the paper's "
-                            "memory-bound model unless it was compiled with a profile) decides "
-                            "alone, and plans that predict a gain can decode slower than plain "
-                            "vLLM; run `kapc calibrate` once so every step is priced from "
-                            "measured step times", engine_kind(runner.device.type == "cpu"))
+                log.warning(
+                    "kapc: no calibration profile for %s and this model on this "
+                    "machine: each plan's compile-time prediction (the paper's "
+                    "memory-bound model unless it was compiled with a profile) decides "
+                    "alone, and plans that predict a gain can decode slower than plain "
+                    "vLLM; run `kapc calibrate` once so every step is priced from "
+                    "measured step times",
+                    engine_kind(runner.device.type == "cpu"),
+                )
             compat.attention_pre_hooks(self.vllm_config, self._layout, self._before_attention)
             self._install_attention_kernel()
             self._install_draft_weights(runner)
@@ -282,10 +311,15 @@ class KapProposer:
         for name, unset in (("attention_kernel", "vLLM's"), ("draft_weights", "the model's")):
             measured, running = getattr(self._profile, name) or unset, getattr(self, name)
             if setup_gist(measured) != setup_gist(running):
-                log.warning("kapc: the calibration profile %s was measured with %s: %s; this "
-                            "engine runs %s: its step times do not hold here; run `kapc "
-                            "calibrate` again", self._profile.key, name.replace("_", " "),
-                            measured, running)
+                log.warning(
+                    "kapc: the calibration profile %s was measured with %s: %s; this "
+                    "engine runs %s: its step times do not hold here; run `kapc "
+                    "calibrate` again",
+                    self._profile.key,
+                    name.replace("_", " "),
+                    measured,
+                    running,
+                )
 
     def _install_attention_kernel(self) -> None:
         """Decode steps, draft forwards and verification steps (up to KERNEL_MAX_QUERY query
@@ -301,8 +335,9 @@ class KapProposer:
             problem = compat.attention_kernel_problem(self.vllm_config, self._layout)
         if problem is None:
             try:
-                kernels.load_paged_attention(self.vllm_config.model_config.get_head_size(),
-                                             self.block_size)
+                kernels.load_paged_attention(
+                    self.vllm_config.model_config.get_head_size(), self.block_size
+                )
             except kernels.KernelUnavailable as exc:
                 problem = str(exc)
         if problem is not None:
@@ -318,9 +353,14 @@ class KapProposer:
             if layer == 0:
                 self.timing["kernel_steps"] += 1
 
-        compat.replace_decode_attention(self.vllm_config, self._layout, kernels.paged_attention,
-                                        max_query=KERNEL_MAX_QUERY, on_call=counted,
-                                        on_refused=refused)
+        compat.replace_decode_attention(
+            self.vllm_config,
+            self._layout,
+            kernels.paged_attention,
+            max_query=KERNEL_MAX_QUERY,
+            on_call=counted,
+            on_refused=refused,
+        )
         self.attention_kernel = "kapc's"
 
     def _install_draft_weights(self, runner) -> None:
@@ -340,9 +380,12 @@ class KapProposer:
             t0 = time.perf_counter()
             self._draft_copies = compat.DraftWeights(runner.model)
             self.draft_weights = "bfloat16 copies"
-            log.info("kapc: drafts read bfloat16 copies of %d linear layers (%.0f MiB, made in "
-                     "%.1f s)", self._draft_copies.layers, self._draft_copies.bytes / 2**20,
-                     time.perf_counter() - t0)
+            log.info(
+                "kapc: drafts read bfloat16 copies of %d linear layers (%.0f MiB, made in %.1f s)",
+                self._draft_copies.layers,
+                self._draft_copies.bytes / 2**20,
+                time.perf_counter() - t0,
+            )
 
     def _before_attention(self, layer: int, query, key) -> None:
         if self._router is not None:
@@ -358,8 +401,7 @@ class KapProposer:
         from kapc.profile import find_profile
 
         try:
-            return find_profile(engine_kind(runner.device.type == "cpu"),
-                                self._model_fingerprint())
+            return find_profile(engine_kind(runner.device.type == "cpu"), self._model_fingerprint())
         except KapcError:
             return None
 
@@ -378,8 +420,10 @@ class KapProposer:
         else:
             profile = load_profile(source)
             if profile.model_fingerprint != self._model_fingerprint():
-                raise ProfileError(f"{source}: profile calibrated for model {profile.model}, "
-                                   f"not this engine's; run kapc calibrate for it")
+                raise ProfileError(
+                    f"{source}: profile calibrated for model {profile.model}, "
+                    f"not this engine's; run kapc calibrate for it"
+                )
         self._set_profile(profile, online)
         return self._profile.key if self._profile is not None else None
 
@@ -399,14 +443,18 @@ class KapProposer:
             try:
                 from kapc.models import load_assets
 
-                self._fingerprint = load_assets(str(self.vllm_config.model_config.model)).fingerprint
+                self._fingerprint = load_assets(
+                    str(self.vllm_config.model_config.model)
+                ).fingerprint
             except Exception as exc:  # noqa: BLE001 - any failure means: cannot check the model
                 self._fingerprint = None
                 self._fingerprint_error = f"{type(exc).__name__}: {exc}"
         if self._fingerprint is None:
-            raise PlanMismatch(f"cannot fingerprint the engine's model "
-                               f"{self.vllm_config.model_config.model} to check the plan against "
-                               f"it ({self._fingerprint_error})")
+            raise PlanMismatch(
+                f"cannot fingerprint the engine's model "
+                f"{self.vllm_config.model_config.model} to check the plan against "
+                f"it ({self._fingerprint_error})"
+            )
         return self._fingerprint
 
     # ---- per-request plan state -------------------------------------------------------------
@@ -429,8 +477,10 @@ class KapProposer:
                 try:
                     data = base64.b64decode(data, validate=True)
                 except ValueError:
-                    st.status, st.reason = "refused", (f"plan refused: {PLAN_KEY} text is not "
-                                                       f"base64 (of a .kapb)")
+                    st.status, st.reason = (
+                        "refused",
+                        (f"plan refused: {PLAN_KEY} text is not base64 (of a .kapb)"),
+                    )
                     data = None
         elif extra.get(PRIOR_KEY) is not None:
             st.source = "prior"
@@ -450,9 +500,11 @@ class KapProposer:
         from kapc.errors import KapcError
 
         if self._compiler is None:
-            self._compiler = PlanCompiler(str(self.vllm_config.model_config.model),
-                                          self.block_size,
-                                          engine_kind(self._runner.device.type == "cpu"))
+            self._compiler = PlanCompiler(
+                str(self.vllm_config.model_config.model),
+                self.block_size,
+                engine_kind(self._runner.device.type == "cpu"),
+            )
         try:
             compiled = self._compiler.compile(prior)
         except KapcError as exc:
@@ -460,8 +512,10 @@ class KapProposer:
             return None
         except Exception as exc:  # noqa: BLE001 - one request's prior must not stop the engine
             log.exception("kapc: compiling the prior of request %s failed", st.tag)
-            st.status, st.reason = "refused", (f"prior refused: the compiler failed on it "
-                                               f"({type(exc).__name__}: {exc})")
+            st.status, st.reason = (
+                "refused",
+                (f"prior refused: the compiler failed on it ({type(exc).__name__}: {exc})"),
+            )
             return None
         st.compile_s, st.compile_cached = compiled.seconds, compiled.cached
         return compiled.data
@@ -474,8 +528,11 @@ class KapProposer:
         P, bs = len(req.prompt_token_ids), self.block_size
         try:
             plan = decode_plan(data, "<request plan>")
-            check_plan_matches(plan, model_fingerprint=self._model_fingerprint(),
-                               prompt_token_ids=np.asarray(req.prompt_token_ids, dtype=np.int32))
+            check_plan_matches(
+                plan,
+                model_fingerprint=self._model_fingerprint(),
+                prompt_token_ids=np.asarray(req.prompt_token_ids, dtype=np.int32),
+            )
             h = plan.header
             st.plan_name = h.name
             st.plan_retained_ratio = float(h.retained_ratio)
@@ -489,28 +546,35 @@ class KapProposer:
             # with a profile, the step policy judges each step with the real batch, not the
             # compile-time prediction for the batch the plan was compiled for
             honor = opts.get("honor_predicted_loss", True)
-            verdict = admit(h, retained=st.retained_ratio, k=int(opts.get("k") or h.k),
-                            engine_k=self.k, accept=opts.get("accept"),
-                            honor_predicted_loss=honor and self._profile is None,
-                            random_sampling=sampling_is_random(req.sampling_params),
-                            view_blocks=(st.view.keep + 1 if st.view is not None
-                                         else len(blocks)),
-                            workspace_blocks=self._workspace_blocks(opts))
+            verdict = admit(
+                h,
+                retained=st.retained_ratio,
+                k=int(opts.get("k") or h.k),
+                engine_k=self.k,
+                accept=opts.get("accept"),
+                honor_predicted_loss=honor and self._profile is None,
+                random_sampling=sampling_is_random(req.sampling_params),
+                view_blocks=(st.view.keep + 1 if st.view is not None else len(blocks)),
+                workspace_blocks=self._workspace_blocks(opts),
+            )
         except KapcError as exc:
             st.status, st.reason = "refused", f"plan refused: {exc}"
             return
         st.accept, st.topn, st.k = verdict.accept, verdict.topn, verdict.k
         if h.block_size != bs:
-            st.note = (f"plan compiled for block size {h.block_size}, run on the engine's "
-                         f"{bs} (s {h.retained_ratio:.3f} -> {st.retained_ratio:.3f})")
+            st.note = (
+                f"plan compiled for block size {h.block_size}, run on the engine's "
+                f"{bs} (s {h.retained_ratio:.3f} -> {st.retained_ratio:.3f})"
+            )
         fb = h.fallback
         st.forced = not honor
         st.prior_p = float(h.cost.p) if h.cost.p is not None else float(h.cost.h)
         # likewise the plan's acceptance floor (set for the batch it was compiled for) would stop
         # a row for good that the step policy holds back only while it loses
         use_floor = opts.get("min_acceptance", True) and self._profile is None
-        st.monitor = AcceptanceMonitor(fb.min_acceptance if use_floor
-                                       else 0.0, fb.acceptance_window)
+        st.monitor = AcceptanceMonitor(
+            fb.min_acceptance if use_floor else 0.0, fb.acceptance_window
+        )
         if verdict.runs:
             st.status = "plan"
             st.per_pos = [0] * st.k
@@ -529,8 +593,9 @@ class KapProposer:
         if cap is None:
             return width
         if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-            raise PolicyError(f"max_view_blocks must be a positive number of blocks, not "
-                              f"{excerpt(cap)}")
+            raise PolicyError(
+                f"max_view_blocks must be a positive number of blocks, not {excerpt(cap)}"
+            )
         return min(width, cap)
 
     def _admit_access(self, st: _ReqState, override, planned, P: int) -> None:
@@ -581,21 +646,28 @@ class KapProposer:
             out[st.tag] = st.as_dict()
         if tag is not None:
             out = {tag: out[tag]} if tag in out else {}
-        res = {"requests": out, "timing": dict(self.timing), "live": len(self.states),
-               "attention_kernel": self.attention_kernel, "draft_weights": self.draft_weights,
-               "policy": f"step policy, profile {self._profile.key}" if self._profile is not None
-               else "each plan's own rules",
-               "profile_factors": self._clock.factors() if self._clock is not None else None,
-               # observed against predicted seconds per step kind since the last pop
-               "step_totals": self._clock.totals(reset=pop) if self._clock is not None else None}
+        res = {
+            "requests": out,
+            "timing": dict(self.timing),
+            "live": len(self.states),
+            "attention_kernel": self.attention_kernel,
+            "draft_weights": self.draft_weights,
+            "policy": f"step policy, profile {self._profile.key}"
+            if self._profile is not None
+            else "each plan's own rules",
+            "profile_factors": self._clock.factors() if self._clock is not None else None,
+            # observed against predicted seconds per step kind since the last pop
+            "step_totals": self._clock.totals(reset=pop) if self._clock is not None else None,
+        }
         if pop:
             self.finished.clear()
             self.timing = {k: 0 if isinstance(v, int) else 0.0 for k, v in self.timing.items()}
         return res
 
     # ---- the proposal -----------------------------------------------------------------------
-    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None,
-                **_):
+    def propose(
+        self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None, **_
+    ):
         t0 = time.perf_counter()
         runner = self._get_runner()
         self._setup(runner)
@@ -642,23 +714,37 @@ class KapProposer:
                 st.proposed += len(d)
                 st.cycles += 1
             if self._clock is not None:
-                self._clock.record("draft", self._forward_s - self._select_s,
-                                   self._draft_predicted)
+                self._clock.record("draft", self._forward_s - self._select_s, self._draft_predicted)
                 self._clock.record("select", self._select_s, self._select_predicted)
         t1 = time.perf_counter()
         if self._clock is not None:
             if rows and "propose" in self._profile.fits:  # the call less its forwards
-                self._clock.record("propose", t1 - t0 - self._forward_s,
-                                   self._profile.seconds("propose", len(rows), 0))
+                self._clock.record(
+                    "propose",
+                    t1 - t0 - self._forward_s,
+                    self._profile.seconds("propose", len(rows), 0),
+                )
             self._pending = _PendingStep(
-                called=t0, left=t1, req_ids=tuple(req_ids[:n_rows]),
+                called=t0,
+                left=t1,
+                req_ids=tuple(req_ids[:n_rows]),
                 queries=[len(d) + 1 for d in out],
                 contexts=[int(num_tokens_no_spec[row]) for row in range(n_rows)],
-                tolerant=any(out[row] and st.topn > 1 for row, st, *_ in rows))
+                tolerant=any(out[row] and st.topn > 1 for row, st, *_ in rows),
+            )
         self.timing["propose_s"] += t1 - t0
         self.timing["calls"] += 1
-        self.step_log.append((t0, t1, n_rows, len(rows), max((r[4] for r in rows), default=0),
-                              self._forward_s, self._select_s))
+        self.step_log.append(
+            (
+                t0,
+                t1,
+                n_rows,
+                len(rows),
+                max((r[4] for r in rows), default=0),
+                self._forward_s,
+                self._select_s,
+            )
+        )
         return out
 
     def _time_engine_step(self, entered: float, req_ids, sampled_token_ids) -> None:
@@ -670,17 +756,24 @@ class KapProposer:
 
         pending, self._pending = self._pending, None
         self._clock.tick()
-        if pending is None or tuple(req_ids) != pending.req_ids \
-                or not all(len(t) for t in sampled_token_ids):
+        if (
+            pending is None
+            or tuple(req_ids) != pending.req_ids
+            or not all(len(t) for t in sampled_token_ids)
+        ):
             return
         drafted = any(q > 1 for q in pending.queries)
-        kind = verify_kind(self._profile, pending.tolerant) if drafted \
-            else resting_kind(self._profile)
-        self._clock.record(kind, entered - pending.left,
-                           engine_step(self._profile, pending.queries, pending.contexts,
-                                       pending.tolerant))
-        self._clock.record_step(drafted, sum(len(t) for t in sampled_token_ids),
-                                entered - pending.called)
+        kind = (
+            verify_kind(self._profile, pending.tolerant) if drafted else resting_kind(self._profile)
+        )
+        self._clock.record(
+            kind,
+            entered - pending.left,
+            engine_step(self._profile, pending.queries, pending.contexts, pending.tolerant),
+        )
+        self._clock.record_step(
+            drafted, sum(len(t) for t in sampled_token_ids), entered - pending.called
+        )
 
     def _plan_step(self, rows, num_tokens_no_spec, n_rows):
         """Keep, and cap the drafts of, the rows whose drafting pays for the whole batch this
@@ -695,17 +788,26 @@ class KapProposer:
         )
 
         def as_draft_row(st, P, budget):
-            return DraftRow(p=estimated_p(st.prior_p, st.accepted, st.tried), k=budget,
-                            s=st.retained_ratio or 1.0, context=P + 1,
-                            chooses_pages=st.access is not None, tolerant=st.topn > 1)
+            return DraftRow(
+                p=estimated_p(st.prior_p, st.accepted, st.tried),
+                k=budget,
+                s=st.retained_ratio or 1.0,
+                context=P + 1,
+                chooses_pages=st.access is not None,
+                tolerant=st.topn > 1,
+            )
 
         drafting = {r[0] for r in rows}
         forced = [r for r in rows if r[1].forced]
         free = [r for r in rows if not r[1].forced]
         others = [int(num_tokens_no_spec[row]) for row in range(n_rows) if row not in drafting]
         decide = self._clock.profile if self._clock is not None else self._profile
-        ks = plan_step(decide, [as_draft_row(st, P, b) for _, st, P, _, b in free], others,
-                       fixed=[as_draft_row(st, P, b) for _, st, P, _, b in forced])
+        ks = plan_step(
+            decide,
+            [as_draft_row(st, P, b) for _, st, P, _, b in free],
+            others,
+            fixed=[as_draft_row(st, P, b) for _, st, P, _, b in forced],
+        )
         if self._clock is not None and not forced and any(ks):
             if self._clock.wants_sample(resting_kind(self._profile)):
                 ks = [0] * len(ks)  # one step at rest, timed: what drafting is weighed against
@@ -742,14 +844,23 @@ class KapProposer:
         if self._clock is not None and dyn:
             from kapc.policy import page_choice
 
-            self._select_predicted = page_choice(self._profile, len(dyn),
-                                                 sum(rows[i][2] + 1 for i in dyn))
+            self._select_predicted = page_choice(
+                self._profile, len(dyn), sum(rows[i][2] + 1 for i in dyn)
+            )
         for step in range(max(r[4] for r in rows)):
             live = [i for i in live if rows[i][4] > step]
             if not live:
                 break
-            views = [compact_row(view_blocks(rows[i][1]), rows[i][3], rows[i][1].tail_block,
-                                 rows[i][2] + step, bs) for i in live]
+            views = [
+                compact_row(
+                    view_blocks(rows[i][1]),
+                    rows[i][3],
+                    rows[i][1].tail_block,
+                    rows[i][2] + step,
+                    bs,
+                )
+                for i in live
+            ]
             bind = None
             if router is not None:
                 at = [(j, dyn.index(i)) for j, i in enumerate(live) if i in dyn]
@@ -760,11 +871,18 @@ class KapProposer:
             self._router = router if bind is not None and len(present) else None
             try:
                 logits = compat.draft_logits(
-                    self._runner, self.vllm_config, self._layout, tables=[v[0] for v in views],
-                    seq_lens=[v[1] for v in views], slots=[v[2] for v in views],
-                    positions=[rows[i][2] + step for i in live], token_ids=[cur[i] for i in live],
-                    step=step, on_block_table=bind if self._router is not None else None,
-                    weights=self._draft_copies)
+                    self._runner,
+                    self.vllm_config,
+                    self._layout,
+                    tables=[v[0] for v in views],
+                    seq_lens=[v[1] for v in views],
+                    slots=[v[2] for v in views],
+                    positions=[rows[i][2] + step for i in live],
+                    token_ids=[cur[i] for i in live],
+                    step=step,
+                    on_block_table=bind if self._router is not None else None,
+                    weights=self._draft_copies,
+                )
             finally:
                 self._router = None
             if bind is not None and self._key_layout is None and self._key_probe is not None:
@@ -773,7 +891,8 @@ class KapProposer:
             self._forward_s += time.perf_counter() - tf
             if self._clock is not None:
                 self._draft_predicted += self._profile.seconds(
-                    "draft", len(views), sum(v[1] for v in views) / len(views))
+                    "draft", len(views), sum(v[1] for v in views) / len(views)
+                )
             self.timing["draft_forwards"] += 1
             self.timing["draft_rows"] += len(live)
             for j, i in enumerate(live):
@@ -815,7 +934,7 @@ class KapProposer:
 
         for _, st, _, blocks, _ in rows:
             if st.bounds is None:
-                pool = [int(b) for b in blocks[:st.tail_block]]
+                pool = [int(b) for b in blocks[: st.tail_block]]
                 lo, hi = compat.key_bounds(self.vllm_config, self._layout, pool)
                 st.bounds = (lo, hi, torch.tensor(pool, dtype=torch.long))
         key = tuple(r[1].serial for r in rows)
@@ -823,14 +942,23 @@ class KapProposer:
             self._stacked = (key, KeySummaries.stack([r[1].bounds for r in rows]))
         summ = self._stacked[1]
         forced, preferred, quota = row_masks(
-            summ.valid, [(st.view.forced, st.view.preferred, st.view.quota) for _, st, *_ in rows])
+            summ.valid, [(st.view.forced, st.view.preferred, st.view.quota) for _, st, *_ in rows]
+        )
         attn = compat.attention_modules(self.vllm_config, self._layout)[0]
-        return TableRouter(summ, forced, keep=[r[1].view.keep for r in rows], heads=attn.num_heads,
-                           head_dim=attn.head_size, scale=float(attn.impl.scale),
-                           preferred=preferred, quota=quota)
+        return TableRouter(
+            summ,
+            forced,
+            keep=[r[1].view.keep for r in rows],
+            heads=attn.num_heads,
+            head_dim=attn.head_size,
+            scale=float(attn.impl.scale),
+            preferred=preferred,
+            quota=quota,
+        )
 
 
 # ---- the pure parts (tested without an engine) ---------------------------------------------
+
 
 def setup_gist(setup: str) -> str:
     """What an engine setting says without its reasons: "vLLM's: no compiler" -> "vLLM's",
@@ -838,14 +966,17 @@ def setup_gist(setup: str) -> str:
     return setup.split(":")[0].split(" (")[0]
 
 
-def compact_row(selected: np.ndarray, blocks, tail_block: int, pos: int,
-                block_size: int) -> tuple[list[int], int, int]:
+def compact_row(
+    selected: np.ndarray, blocks, tail_block: int, pos: int, block_size: int
+) -> tuple[list[int], int, int]:
     """A draft at logical position `pos`: its compact block table (the request's real blocks of
     the selected full prompt blocks, then every real block from the tail block to the one
     holding `pos`), the number of tokens that table shows, and the KV slot its key goes to.
     The kernel reads a table row as one sequence, so every block but the last must be full:
     selected blocks are full prompt blocks, and the tail starts on a block boundary."""
-    table = [int(blocks[b]) for b in selected] + [int(b) for b in blocks[tail_block:pos // block_size + 1]]
+    table = [int(blocks[b]) for b in selected] + [
+        int(b) for b in blocks[tail_block : pos // block_size + 1]
+    ]
     seq_len = len(selected) * block_size + pos + 1 - tail_block * block_size
     slot = int(blocks[pos // block_size]) * block_size + pos % block_size
     return table, seq_len, slot
@@ -859,8 +990,14 @@ def view_blocks(st: _ReqState) -> np.ndarray:
     return np.zeros(st.view.keep, dtype=np.int64)
 
 
-def draft_budget(k: int, allocated_blocks: int, block_size: int, position: int,
-                 max_model_len: int, end_tokens: int | None = None) -> int:
+def draft_budget(
+    k: int,
+    allocated_blocks: int,
+    block_size: int,
+    position: int,
+    max_model_len: int,
+    end_tokens: int | None = None,
+) -> int:
     """How many drafts a row may write from `position` (its newest token): draft j writes
     position+j, which must lie in the request's allocated blocks (never a stale table entry)
     and within the model's length. A cycle of d drafts emits at most d + 1 tokens, so a request
@@ -932,8 +1069,11 @@ def finished_line(stats: dict) -> str:
     if stats.get("source"):
         parts.append(f"plan from {stats['source']}")
     if stats.get("compile_s") is not None:
-        parts.append("compile cached" if stats.get("compile_cached")
-                     else f"compile {stats['compile_s']:.3f}s")
+        parts.append(
+            "compile cached"
+            if stats.get("compile_cached")
+            else f"compile {stats['compile_s']:.3f}s"
+        )
     if stats.get("retained_ratio") is not None:
         parts.append(f"s {stats['retained_ratio']:.3f}")
     if stats.get("k"):

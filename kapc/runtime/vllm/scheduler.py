@@ -24,4 +24,5 @@ class KapScheduler(Scheduler):
             self._spec_decode_step_blocks = sum(
                 cdiv(n, m.block_size)
                 for m in self.kv_cache_manager.coordinator.single_type_managers
-                if not isinstance(m.kv_cache_spec, MambaSpec))
+                if not isinstance(m.kv_cache_spec, MambaSpec)
+            )

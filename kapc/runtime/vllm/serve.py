@@ -46,11 +46,20 @@ class ServerCommand:
     hook: bool  # False: plain vLLM
 
 
-def server_command(model: str | None = None, *, host: str = "127.0.0.1", port: int = 8000,
-                   k: int = MAX_AUTO_K, block_size: int | None = None, dtype: str | None = None,
-                   max_model_len: int | None = None, served_model_name: str | None = None,
-                   kv_cache_gib: float | None = None, hook: bool = True,
-                   extra: tuple[str, ...] | list[str] = ()) -> ServerCommand:
+def server_command(
+    model: str | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    k: int = MAX_AUTO_K,
+    block_size: int | None = None,
+    dtype: str | None = None,
+    max_model_len: int | None = None,
+    served_model_name: str | None = None,
+    kv_cache_gib: float | None = None,
+    hook: bool = True,
+    extra: tuple[str, ...] | list[str] = (),
+) -> ServerCommand:
     """The command that starts vLLM's server on `model` (default: the cached SmolLM2 folder)
     with kapc's hook (`hook=False`: plain vLLM, the baseline a load test compares with). `k` is
     the most a plan may propose (the default lets `k=auto` plans take their own). Raises
@@ -96,57 +105,103 @@ def server_command(model: str | None = None, *, host: str = "127.0.0.1", port: i
     if block_size is None:
         block_size = ENGINE_BLOCK_SIZE[kind]
     if on_cpu and block_size % CPU_BLOCK_MULTIPLE:
-        raise ServeError(f"--block-size {block_size}: vLLM's CPU attention needs a multiple of "
-                         f"{CPU_BLOCK_MULTIPLE}. Plans compiled for smaller blocks still run "
-                         f"(a {CPU_BLOCK_MULTIPLE}-token block is visible when any of its tokens "
-                         f"is), so keep the default")
+        raise ServeError(
+            f"--block-size {block_size}: vLLM's CPU attention needs a multiple of "
+            f"{CPU_BLOCK_MULTIPLE}. Plans compiled for smaller blocks still run "
+            f"(a {CPU_BLOCK_MULTIPLE}-token block is visible when any of its tokens "
+            f"is), so keep the default"
+        )
     if k < 1:
         raise ServeError(f"--k {k}: the proposal length must be at least 1")
     name = served_model_name or model_dir.name
     dtype = dtype or default_dtype(on_cpu, model_dir)
-    argv = [sys.executable, "-m", api_server_module(), "--model", str(model_dir),
-            "--served-model-name", name, "--host", host, "--port", str(port),
-            "--block-size", str(block_size), "--dtype", dtype]
+    argv = [
+        sys.executable,
+        "-m",
+        api_server_module(),
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--block-size",
+        str(block_size),
+        "--dtype",
+        dtype,
+    ]
     if on_cpu:
         argv.append("--enforce-eager")
-        sized = any(a.startswith("--kv-cache-memory-bytes") for a in extra) \
-            or os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+        sized = any(a.startswith("--kv-cache-memory-bytes") for a in extra) or os.environ.get(
+            "VLLM_CPU_KVCACHE_SPACE"
+        )
         if kv_cache_gib is not None or not sized:
             gib = CPU_KV_CACHE_GIB if kv_cache_gib is None else kv_cache_gib
             try:  # checked here, so a server that cannot fit says so instead of being killed
-                size_cpu_engine(model_dir, dtype, max_model_len, 1, requested_gib=gib,
-                                draft_copies=hook, what="kapc serve")
+                size_cpu_engine(
+                    model_dir,
+                    dtype,
+                    max_model_len,
+                    1,
+                    requested_gib=gib,
+                    draft_copies=hook,
+                    what="kapc serve",
+                )
             except EngineMemoryError as exc:
                 raise ServeError(str(exc)) from None
-            argv += ["--kv-cache-memory-bytes", str(int(gib * 2 ** 30))]
+            argv += ["--kv-cache-memory-bytes", str(int(gib * 2**30))]
     if max_model_len is not None:
         argv += ["--max-model-len", str(max_model_len)]
     if hook:
-        argv += ["--speculative-config",
-                 json.dumps({"method": "custom_class", "model": PROPOSER_CLASS,
-                             "num_speculative_tokens": int(k)}),
-                 "--scheduler-cls", SCHEDULER_CLASS,
-                 "--worker-extension-cls", WORKER_EXTENSION_CLASS,
-                 "--middleware", MIDDLEWARE]
+        argv += [
+            "--speculative-config",
+            json.dumps(
+                {
+                    "method": "custom_class",
+                    "model": PROPOSER_CLASS,
+                    "num_speculative_tokens": int(k),
+                }
+            ),
+            "--scheduler-cls",
+            SCHEDULER_CLASS,
+            "--worker-extension-cls",
+            WORKER_EXTENSION_CLASS,
+            "--middleware",
+            MIDDLEWARE,
+        ]
     argv += list(extra)
-    return ServerCommand(argv=argv, url=f"http://{_url_host(host)}:{port}/v1", model_name=name,
-                         k=int(k), block_size=int(block_size), hook=hook)
+    return ServerCommand(
+        argv=argv,
+        url=f"http://{_url_host(host)}:{port}/v1",
+        model_name=name,
+        k=int(k),
+        block_size=int(block_size),
+        hook=hook,
+    )
 
 
 def _url_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "") else host
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float | None = None,
-                 interval: float = 1.0) -> None:
+def wait_healthy(
+    url: str,
+    proc: subprocess.Popen | None = None,
+    timeout: float | None = None,
+    interval: float = 1.0,
+) -> None:
     """Block until the server at `url` (its /v1 root) answers /health. Raises ServeError when
     `proc` exits first or `timeout` seconds pass."""
     health = url.removesuffix("/v1") + "/health"
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         if proc is not None and proc.poll() is not None:
-            raise ServeError(f"the server exited with status {proc.returncode} before it was up "
-                             f"(its log above says why)")
+            raise ServeError(
+                f"the server exited with status {proc.returncode} before it was up "
+                f"(its log above says why)"
+            )
         try:
             with urllib.request.urlopen(health, timeout=5) as r:
                 if r.status == 200:
@@ -159,8 +214,13 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float 
 
 
 @contextlib.contextmanager
-def running(argv: list[str], url: str, log: Path | None = None, timeout: float | None = 300.0,
-            env: dict | None = None):
+def running(
+    argv: list[str],
+    url: str,
+    log: Path | None = None,
+    timeout: float | None = 300.0,
+    env: dict | None = None,
+):
     """A server process started from `argv` (its output to `log`, or to this process's), once it
     answers /health at `url`; terminated (then killed) on exit. Raises ServeError, with the log's
     tail, when it exits first or does not come up within `timeout` seconds (None: no limit)."""
@@ -199,21 +259,25 @@ def free_port(host: str = "127.0.0.1") -> int:
 def usage(cmd: ServerCommand) -> str:
     root = cmd.url.removesuffix("/v1")
     if not cmd.hook:
-        return (f"kapc serve: plain vLLM (no kapc hook) on {cmd.url}, model {cmd.model_name}, "
-                f"block size {cmd.block_size}")
-    return "\n".join([
-        f"kapc serve: vLLM's OpenAI-compatible API with kapc's hook on {cmd.url}",
-        f"  model {cmd.model_name}, k = {cmd.k}, KV block size {cmd.block_size}",
-        "  plans travel in each request's vllm_xargs (kapc.client.plan_xargs builds them):",
-        '    {"kapc_prior": "<prior.json text>"}          compiled here, cached by content',
-        '    {"kapc_plan": "<base64 of a .kapb>"}         compiled by you',
-        '    {"kapc_tag": "<name>"}                        names the request\'s statistics',
-        "  the messages must be the prior's (kapc.client.chat_messages); requests without a plan",
-        "  decode normally, and a plan that does not match is refused for its own request only",
-        f"  statistics: GET {root}{STATS_PATH}/<tag>   (all: GET {root}{STATS_PATH})",
-        f"  try: python examples/serve_client.py --url {cmd.url} "
-        "examples/hotpotqa/q0000-700.prior.json",
-    ])
+        return (
+            f"kapc serve: plain vLLM (no kapc hook) on {cmd.url}, model {cmd.model_name}, "
+            f"block size {cmd.block_size}"
+        )
+    return "\n".join(
+        [
+            f"kapc serve: vLLM's OpenAI-compatible API with kapc's hook on {cmd.url}",
+            f"  model {cmd.model_name}, k = {cmd.k}, KV block size {cmd.block_size}",
+            "  plans travel in each request's vllm_xargs (kapc.client.plan_xargs builds them):",
+            '    {"kapc_prior": "<prior.json text>"}          compiled here, cached by content',
+            '    {"kapc_plan": "<base64 of a .kapb>"}         compiled by you',
+            '    {"kapc_tag": "<name>"}                        names the request\'s statistics',
+            "  the messages must be the prior's (kapc.client.chat_messages); requests without a plan",
+            "  decode normally, and a plan that does not match is refused for its own request only",
+            f"  statistics: GET {root}{STATS_PATH}/<tag>   (all: GET {root}{STATS_PATH})",
+            f"  try: python examples/serve_client.py --url {cmd.url} "
+            "examples/hotpotqa/q0000-700.prior.json",
+        ]
+    )
 
 
 def serve(cmd: ServerCommand, echo=print) -> int:
@@ -235,6 +299,7 @@ def serve(cmd: ServerCommand, echo=print) -> int:
 
 # ---- inside the server -----------------------------------------------------------------------
 
+
 async def stats_middleware(request, call_next):
     """`GET /kapc/stats[/<tag>]`, answered from the workers' `kapc_stats`; every other request
     passes through untouched."""
@@ -249,13 +314,15 @@ async def stats_middleware(request, call_next):
 
     if request.method != "GET":
         return JSONResponse({"error": f"{path} answers GET only"}, status_code=405)
-    tag = unquote(path[len(STATS_PATH):].strip("/")) or None
+    tag = unquote(path[len(STATS_PATH) :].strip("/")) or None
     try:
         results = await server_engine_client(request.app).collective_rpc(
-            "kapc_stats", kwargs={"tag": tag})
+            "kapc_stats", kwargs={"tag": tag}
+        )
     except Exception as exc:  # noqa: BLE001 - report, do not take the server down
-        return JSONResponse({"error": f"the workers did not report: {type(exc).__name__}: "
-                                      f"{exc}"}, status_code=503)
+        return JSONResponse(
+            {"error": f"the workers did not report: {type(exc).__name__}: {exc}"}, status_code=503
+        )
     stats = results[0]  # every rank drafts the same batch; rank 0 speaks for them
     if len(results) > 1:  # tensor parallel: say whether the ranks' requests agree
         stats["ranks"] = len(results)
@@ -264,14 +331,17 @@ async def stats_middleware(request, call_next):
         return JSONResponse(stats)
     found = stats.get("requests", {}).get(tag)
     if found is None:
-        return JSONResponse({"error": f"no request tagged {tag!r} (yet): send it with "
-                                      f'vllm_xargs {{"kapc_tag": "{tag}"}}'}, status_code=404)
+        return JSONResponse(
+            {
+                "error": f"no request tagged {tag!r} (yet): send it with "
+                f'vllm_xargs {{"kapc_tag": "{tag}"}}'
+            },
+            status_code=404,
+        )
     return JSONResponse(found)
-
 
 
 def _drafts(stats: dict) -> dict:
     """What every rank must agree on: each request's drafting (compile times differ by rank)."""
     keys = ("status", "proposed", "accepted", "accepted_per_pos", "retained_ratio", "k")
-    return {tag: tuple(str(r.get(k)) for k in keys)
-            for tag, r in stats.get("requests", {}).items()}
+    return {tag: tuple(str(r.get(k)) for k in keys) for tag, r in stats.get("requests", {}).items()}

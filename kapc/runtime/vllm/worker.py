@@ -10,9 +10,11 @@ class KapWorkerExtension:
 
         drafter = getattr(self.model_runner, "drafter", None)
         if not isinstance(drafter, KapProposer):
-            raise RuntimeError("this vLLM engine was not started with kapc's proposer "
-                               "(speculative_config method custom_class, model "
-                               "kapc.runtime.vllm.proposer.KapProposer)")
+            raise RuntimeError(
+                "this vLLM engine was not started with kapc's proposer "
+                "(speculative_config method custom_class, model "
+                "kapc.runtime.vllm.proposer.KapProposer)"
+            )
         return drafter
 
     def kapc_bind(self) -> dict:
@@ -20,8 +22,12 @@ class KapWorkerExtension:
         p = self._kapc_proposer()
         p.bind(self.model_runner)
         p._setup(self.model_runner)
-        return {"k": p.k, "block_size": p.block_size, "layers": len(p._layout.layer_names),
-                "device": str(self.model_runner.device)}
+        return {
+            "k": p.k,
+            "block_size": p.block_size,
+            "layers": len(p._layout.layer_names),
+            "device": str(self.model_runner.device),
+        }
 
     def kapc_use_profile(self, source: str = "auto", online: bool = True) -> str | None:
         """Choose the step policy's profile ("auto", "none" or a path), scaled by measured step
