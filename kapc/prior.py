@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from kapc.errors import KapcError
+from kapc.errors import KapcError, bounded
 from kapc.files import FileError, read_input, without_bom
 
 PRIOR_FORMAT = "kapc.prior"
@@ -129,9 +129,13 @@ def decode_prior(data: bytes | str, source: str = "<prior>") -> Prior:
         # msgspec writes the path as `$.units[3].kind`, but a dict value only as `scores[...]`,
         # and the document itself with no path at all
         message = str(exc) if " - at `$" in str(exc) else f"{exc} - at `$`"
-        raise PriorError(f"{source}: invalid prior: {_name_dict_keys(data, message)}") from None
+        raise PriorError(
+            f"{source}: invalid prior: {bounded(_name_dict_keys(data, message))}"
+        ) from None
     except msgspec.DecodeError as exc:
-        raise PriorError(f"{source}: not valid JSON: {_with_line(data, str(exc))}") from None
+        raise PriorError(
+            f"{source}: not valid JSON: {bounded(_with_line(data, str(exc)))}"
+        ) from None
     if prior.version > PRIOR_VERSION:
         raise PriorError(
             f"{source}: $.version: prior format version {prior.version} is newer than this kapc "

@@ -39,7 +39,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-from kapc.errors import KapcError
+from kapc.errors import KapcError, bounded
 
 PROFILE_VERSION = 1
 StepKind = Literal["plain", "resting", "draft", "propose", "select", "verify", "verify_tolerant"]
@@ -286,7 +286,7 @@ def load_profile(path: str | Path) -> Profile:
     try:
         profile = _decoder.decode(read_input(path, "profile"))
     except msgspec.DecodeError as exc:
-        raise ProfileError(f"{path}: not a kapc profile: {exc}") from None
+        raise ProfileError(f"{path}: not a kapc profile: {bounded(str(exc))}") from None
     if profile.version != PROFILE_VERSION:
         raise ProfileError(
             f"{path}: profile version {profile.version}, this kapc reads "

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import msgspec
 
-from kapc.errors import KapcError
+from kapc.errors import KapcError, bounded
 
 MIX_VERSION = 1
 
@@ -59,7 +59,7 @@ def load_mix(path: str | Path) -> ProxyMix:
     try:
         mix = msgspec.json.decode(read_input(path, "proxy calibration"), type=ProxyMix)
     except msgspec.DecodeError as exc:
-        raise ProxyMixError(f"{path}: not a kapc proxy calibration: {exc}") from None
+        raise ProxyMixError(f"{path}: not a kapc proxy calibration: {bounded(str(exc))}") from None
     if mix.version != MIX_VERSION:
         raise ProxyMixError(
             f"{path}: proxy calibration version {mix.version}, this kapc reads "

@@ -29,7 +29,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-from kapc.errors import KapcError
+from kapc.errors import KapcError, bounded
 from kapc.files import read_input, write_output
 from kapc.limits import MAX_BATCH, MAX_BLOCK_SIZE, MAX_K, MAX_PROMPT_TOKENS
 from kapc.policy import AccessPolicy, access_problem
@@ -195,7 +195,7 @@ def decode_plan(data: bytes | memoryview, source: str = "<kapb>") -> Plan:
     try:
         header = _header_decoder.decode(buf[_PREFIX.size : _PREFIX.size + head_len])
     except msgspec.DecodeError as exc:
-        raise KapbError(f"{source}: unreadable header: {exc}") from None
+        raise KapbError(f"{source}: unreadable header: {bounded(str(exc))}") from None
     if version == 1:  # version 1 had no access policy: its plans read their own pages
         header = msgspec.structs.replace(header, access=AccessPolicy())
     arrays = {}

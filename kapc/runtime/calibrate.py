@@ -57,7 +57,7 @@ class Grid:
     # the pages the timed cycles' drafts read: the compiler's default access policy, so that a
     # cycle costs what the plans users run cost. Timed on static pages, a draft at 8K x 8 was
     # fitted at 61 ms where hybrid plans' drafts took 75, and the step policy's forecast ran
-    # 16% optimistic (docs/cost-model.md)
+    # 16% optimistic (benchmarks/records/cost-model-vllm-cpu/)
     draft_access: str = "hybrid"
     # time a resting step beside each cycle (see measure_point), so `--only cycle` refreshes the
     # resting fit too and both are measured in the same hour

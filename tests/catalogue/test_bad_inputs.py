@@ -356,6 +356,28 @@ def test_long_bad_value_is_not_echoed_whole(tmp_path):
     assert len(err) < 2000
 
 
+@pytest.mark.parametrize(
+    ("where", "path"),
+    [
+        (lambda d, v: d["units"][0].__setitem__("kind", v), "$.units[0].kind"),
+        (
+            lambda d, v: d["request"]["messages"][0].__setitem__("role", v),
+            "$.request.messages[0].role",
+        ),
+        (lambda d, v: d["units"][0].__setitem__("scores", {v: "high"}), '$.units[0].scores["'),
+    ],
+    ids=["enum-value", "role", "dict-key"],
+)
+def test_long_bad_prior_value_is_cut_and_its_path_kept(tmp_path, where, path):
+    """msgspec quotes the offending value or key whole; the message cuts it and says how long."""
+    doc = copy.deepcopy(BASE)
+    where(doc, "x" * 100_000)
+    prior = tmp_path / "long.prior.json"
+    prior.write_text(json.dumps(doc))
+    err = refused(["compile", prior, "-o", tmp_path / "p.kapb"], path, "(100000 chars)")
+    assert len(err) < 400, err
+
+
 def test_oversized_kap_is_refused(tmp_path):
     path = tmp_path / "many.kap"
     path.write_text(HEAD + "".join(f'segment %s{i} role=user text="t"\n' for i in range(130_000)))

@@ -42,6 +42,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kapc.errors import bounded
 from kapc.runtime.vllm import compat, engine_kind
 from kapc.runtime.vllm.admission import PRIOR_KEY, PlanCompiler
 from kapc.runtime.vllm.compat import UnsupportedAttention
@@ -613,7 +614,7 @@ class KapProposer:
             try:
                 access = msgspec.convert(override, AccessPolicy)
             except msgspec.ValidationError as exc:
-                raise PolicyError(f"access option: {exc}") from None
+                raise PolicyError(f"access option: {bounded(str(exc))}") from None
         if access.mode == "static":
             return
         problem = access_problem(access, len(self._layout.layer_names))
