@@ -44,6 +44,8 @@ import sys
 import time
 from pathlib import Path
 
+from kapc import settings
+
 BASE = ("bm25", "dense", "fusion")
 KEEP = {
     "bm25": {"sparse"},
@@ -285,8 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"# {len(rows)} (question, length) rows, {len(todo)} computed in {wall:.0f}s this run"
         f"{per_q}; select{{{options}}}, dense precision "
-        f"{os.environ.get('KAPC_DENSE_PRECISION', 'float32')}, torch threads {args.threads}, "
-        f"memo {os.environ.get('KAPC_FRONTEND_MEMO', 'off')}"
+        f"{settings.dense_precision()}, torch threads {args.threads}, "
+        f"memo {settings.frontend_memo() or 'off'}"
     )
     summarize(rows, lengths)
 

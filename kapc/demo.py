@@ -12,11 +12,12 @@ on another registered model or a Hugging Face folder.
 
 from __future__ import annotations
 
-import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+from kapc import settings
 
 OUT = Path("out/demo")
 
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = ap.parse_args(argv)
     model = ("--model", args.model) if args.model else ()
-    index = os.environ.get("KAPC_DEMO_INDEX", "3")
+    index = str(settings.demo_index())
     OUT.mkdir(parents=True, exist_ok=True)
     prior, plan = OUT / "prior.json", OUT / "plan.kapb"
     run_kapc(

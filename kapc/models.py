@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from kapc import settings
 from kapc.errors import KapcError, excerpt
 from kapc.limits import MAX_PROMPT_TOKENS
 
@@ -82,7 +83,7 @@ LONG_CONTEXT_MODEL = "qwen2.5-coder-0.5b-instruct"
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("KAPC_CACHE_DIR") or Path.home() / ".cache" / "kapc")
+    return settings.cache_dir()
 
 
 def source(name: str) -> ModelSource:

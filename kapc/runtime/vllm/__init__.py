@@ -26,6 +26,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from kapc import settings
 from kapc.errors import KapcError
 
 __all__ = [
@@ -85,7 +86,7 @@ def check_vllm_version(version: str | None = None) -> str:
         raise VLLMUnsupported(f"cannot read the vLLM version {v!r}") from None
     base = Version(parsed.base_version)
     lo, hi = Version(SUPPORTED_VLLM[0]), Version(SUPPORTED_VLLM[1])
-    if not (lo <= base < hi) and os.environ.get(_ALLOW_ENV) != "1":
+    if not (lo <= base < hi) and not settings.vllm_allow_unsupported():
         raise VLLMUnsupported(
             f"vLLM {v} is outside the range kapc's vLLM hook supports (>={SUPPORTED_VLLM[0]}, "
             f"<{SUPPORTED_VLLM[1]}; tested: {', '.join(TESTED_VLLM)}). The hook uses vLLM's "
