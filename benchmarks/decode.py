@@ -302,7 +302,7 @@ def _cases(m, L: int, n: int, args) -> list:
         out = []
         for i in range(n):
             p = build_long_prompt(
-                m.tokenizer, first + i, fit_context(L, args.new_tokens, k, bs, args.model)
+                m.path, first + i, fit_context(L, args.new_tokens, k, bs, args.model)
             )
             blocks = p.instruction_blocks(bs) + p.gold_blocks(bs) + p.question_blocks(bs)
 

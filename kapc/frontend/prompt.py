@@ -1,8 +1,8 @@
 """Building the request a frontend emits, and counting its tokens the way the compiler will see it.
 
-The chat prompt is rendered with the model's own chat template (jinja2, the way Hugging Face
-renders it: `trim_blocks`, `lstrip_blocks`, generation prompt added) and counted with the model's
-own tokenizer (`tokenizers`, no torch).
+The prompt is rendered by the compiler's own renderer (`kapc.prompt`: the model's chat template,
+the passage and question formats) and counted with the model's own tokenizer (`tokenizers`, no
+torch), so a frontend's budget in tokens is the compiler's.
 """
 
 from __future__ import annotations
@@ -10,18 +10,18 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from kapc.models import ModelAssets
 from kapc.prior import Message, Request, Segment
+from kapc.prompt import DEFAULT_INSTRUCTION, passage_text, question_text, render_request
 
-DEFAULT_INSTRUCTION = "Answer the question using the passages. Answer briefly."
-
-
-def passage_text(title: str, body: str) -> str:
-    """A passage as it appears in the prompt: title line, body, blank line."""
-    return f"Title: {title}\n{body}\n\n"
-
-
-def question_text(question: str) -> str:
-    return f"Question: {question}"
+__all__ = [
+    "DEFAULT_INSTRUCTION",
+    "PromptTokenizer",
+    "chat_request",
+    "passage_text",
+    "prompt_tokenizer",
+    "question_text",
+]
 
 
 def chat_request(
@@ -42,25 +42,14 @@ def chat_request(
 
 @dataclass(frozen=True)
 class PromptTokenizer:
-    """The model's tokenizer and chat template, for rendering and counting."""
+    """A model's renderer and tokenizer, for rendering and counting."""
 
     model: str
     tokenizer: object  # tokenizers.Tokenizer
-    template: object  # jinja2.Template
-    special: dict
+    assets: ModelAssets
 
     def render(self, request: Request) -> str:
-        if request.messages is None:
-            return "".join(s.text for s in request.raw or [])
-        messages = [
-            {"role": m.role, "content": "".join(s.text for s in m.segments)}
-            for m in request.messages
-        ]
-        return self.template.render(
-            messages=messages,
-            add_generation_prompt=True,
-            **{k: v or "" for k, v in self.special.items()},
-        )
+        return render_request(request, self.assets).text
 
     def count(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
@@ -76,31 +65,11 @@ class PromptTokenizer:
 
 @functools.cache
 def prompt_tokenizer(model: str | None = None) -> PromptTokenizer:
-    """The tokenizer and chat template of `model` (None: the default SmolLM2-135M-Instruct)."""
-    import jinja2
-    import jinja2.ext
-    import jinja2.sandbox
-    import tokenizers
-
+    """The renderer and tokenizer of `model` (None: the default SmolLM2-135M-Instruct)."""
     from kapc.models import load_assets
+    from kapc.prompt import tokenizer_of
 
     assets = load_assets(model)
-    tok = tokenizers.Tokenizer.from_str(assets.tokenizer_json.decode())
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    env.globals["raise_exception"] = raise_exception
-    template_src = assets.chat_template or (
-        "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\n' }}"
-        "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
-    )
     return PromptTokenizer(
-        model=assets.name,
-        tokenizer=tok,
-        template=env.from_string(template_src),
-        special=dict(assets.special),
+        model=assets.name, tokenizer=tokenizer_of(assets.tokenizer_json), assets=assets
     )

@@ -401,15 +401,11 @@ def timing_prompts(rows: int, tokens: int, model_dir=None) -> list[list[int]]:
     """`rows` distinct long HotpotQA prompts (dev questions 5, 12, 19, ..., padded with hard
     negatives) in the model's tokens, each cut to `tokens`; every context length takes a prefix
     of each."""
-    from transformers import AutoTokenizer
-
-    from kapc.models import resolve
     from kapc.runtime.prompts import build_prompt
 
-    tok = AutoTokenizer.from_pretrained(str(resolve(model_dir, weights=True)[0]))
     out = []
     for r in range(rows):
-        ids = build_prompt(tok, 5 + 7 * r, target_tokens=tokens + 256).token_ids
+        ids = build_prompt(model_dir, 5 + 7 * r, target_tokens=tokens + 256).token_ids
         if len(ids) < tokens:
             raise RuntimeError(f"timing prompt {r} has {len(ids)} tokens, fewer than {tokens}")
         out.append(ids[:tokens])

@@ -14,8 +14,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-INSTRUCTION = "Answer the question using the passages below. Give a short answer."
-
 
 @functools.lru_cache(maxsize=1)
 def hotpotqa() -> list[dict]:
@@ -86,13 +84,14 @@ def _words(s: str) -> set[str]:
 
 
 def build_prompt(
-    tokenizer,
+    model: str | Path | None,
     index: int,
     target_tokens: int | None = None,
     max_own_tokens: int | None = None,
     pool_records: int = 400,
 ) -> HotpotPrompt:
-    """The HotpotQA dev question `index` as a chat prompt. `target_tokens`: pad with hard negatives
+    """The HotpotQA dev question `index` as a chat prompt for `model` (a registered name or a
+    folder; None: the default), rendered by kapc's one renderer. `target_tokens`: pad with hard negatives
     up to about that many tokens. `max_own_tokens`: drop the question's own non-gold paragraphs
     (last first) until the prompt fits (keeps test prompts near 1K tokens)."""
     data = hotpotqa()
@@ -102,8 +101,9 @@ def build_prompt(
         Passage(t, "".join(sents).strip(), t in gold_titles, True) for t, sents in rec["context"]
     ]
 
-    def n_tokens(text: str) -> int:
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    from kapc.frontend.prompt import prompt_tokenizer
+
+    n_tokens = prompt_tokenizer(None if model is None else str(model)).count
 
     if max_own_tokens is not None:
         while sum(n_tokens(p.text) + 8 for p in passages) > max_own_tokens:
@@ -132,54 +132,48 @@ def build_prompt(
                 continue
             passages.append(Passage(t, text, False, False))
             total += n
-    return render(tokenizer, rec, passages)
+    return render(model, rec, passages)
 
 
-def render(tokenizer, rec: dict, passages: list[Passage]) -> HotpotPrompt:
-    parts, spans = [INSTRUCTION + "\n\n"], []
-    pos = len(parts[0])
-    for i, p in enumerate(passages):
-        block = f"Passage {i + 1}: {p.title}\n{p.text}\n\n"
-        spans.append((pos, pos + len(block)))
-        parts.append(block)
-        pos += len(block)
-    parts.append(f"Question: {rec['question']}")
-    content = "".join(parts)
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
-    )
-    base = text.index(content)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offs = enc["input_ids"], enc["offset_mapping"]
-    for p, (a, b) in zip(passages, spans):
-        a, b = a + base, b + base
-        toks = [i for i, (s, e) in enumerate(offs) if s < b and e > a]
-        p.token_span = (toks[0], toks[-1] + 1) if toks else (0, 0)
-    qa = base + len(content) - len(parts[-1])
-    qtok = [i for i, (s, e) in enumerate(offs) if e > qa]
+def render(model: str | Path | None, rec: dict, passages: list[Passage]) -> HotpotPrompt:
+    """The prompt every kapc frontend emits for these passages (`chat_request`, rendered by
+    `kapc.prompt`), its token ids, and each passage's token span."""
+    from kapc.frontend.prompt import chat_request, passage_text
+    from kapc.models import load_assets
+    from kapc.prior import Segment
+    from kapc.prompt import Tokenization, render_request
+
+    assets = load_assets(None if model is None else str(model))
+    segments = [
+        Segment(text=passage_text(p.title, p.text), kind="passage", id=f"p{i}")
+        for i, p in enumerate(passages)
+    ]
+    rendered = render_request(chat_request(segments, rec["question"]), assets)
+    tokens = Tokenization(assets)(rendered.text, add_special_tokens=False)
+    # pieces: the instruction, the passages in order, the question (the template's closing after it)
+    firsts, lasts = tokens.spans_of([a for a, _ in rendered.spans], [b for _, b in rendered.spans])
+    for p, a, b in zip(passages, firsts[1:-1].tolist(), lasts[1:-1].tolist()):
+        p.token_span = (a, b)
+    ids = tokens.ids.tolist()
     return HotpotPrompt(
         record_id=rec["_id"],
         question=rec["question"],
         answer=rec["answer"],
-        token_ids=list(ids),
+        token_ids=ids,
         passages=passages,
-        question_span=(qtok[0] if qtok else len(ids) - 1, len(ids)),
+        question_span=(min(int(firsts[-1]), len(ids) - 1), len(ids)),
     )
 
 
-def build_long_prompt(tokenizer, index: int, target_tokens: int) -> HotpotPrompt:
-    """A long-context prompt: the frontend's builder (`kapc.frontend.longctx`, BM25 hard negatives,
-    prefix-nested) chooses and orders the passages when it is available and works; this module's
-    simple word-overlap builder otherwise. Rendering (and the token spans) is this module's."""
-    try:
-        from kapc.frontend.longctx import build_hotpotqa
+def build_long_prompt(model: str | Path | None, index: int, target_tokens: int) -> HotpotPrompt:
+    """A long-context prompt whose passages the frontend's builder chooses and orders
+    (`kapc.frontend.longctx`: BM25 hard negatives, prefix-nested), with token spans."""
+    from kapc.frontend.longctx import build_hotpotqa
 
-        lc = build_hotpotqa(index, max(target_tokens - 96, 512))
-        rec = hotpotqa()[index]
-        passages = [
-            Passage(p.title, p.text, o == "gold", o != "negative")
-            for p, o in zip(lc.passages, lc.origins)
-        ]
-        return render(tokenizer, rec, passages)
-    except Exception:  # noqa: BLE001 - any failure of the optional builder: use the simple one
-        return build_prompt(tokenizer, index, target_tokens=target_tokens)
+    name = None if model is None else str(model)
+    lc = build_hotpotqa(index, max(target_tokens - 96, 512), model=name)
+    passages = [
+        Passage(p.title, p.text, o == "gold", o != "negative")
+        for p, o in zip(lc.passages, lc.origins)
+    ]
+    return render(model, hotpotqa()[index], passages)

@@ -33,7 +33,7 @@ def calibrate_proxy(
 
     prompts = []
     for i in range(questions):
-        p = build_long_prompt(model.tokenizer, CALIBRATION_FIRST_QUESTION + i, context)
+        p = build_long_prompt(model.path, CALIBRATION_FIRST_QUESTION + i, context)
         plan = plan_from_blocks(
             model,
             p.token_ids,

@@ -31,7 +31,7 @@ def model():
 def prompts(model):
     from kapc.runtime.prompts import build_prompt
 
-    return [build_prompt(model.tokenizer, i, max_own_tokens=1000) for i in PROMPT_INDICES]
+    return [build_prompt(model.path, i, max_own_tokens=1000) for i in PROMPT_INDICES]
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.model
 
 @pytest.fixture(scope="module")
 def plan_file(model, tmp_path_factory):
-    p = build_prompt(model.tokenizer, 3, max_own_tokens=300)
+    p = build_prompt(model.path, 3, max_own_tokens=300)
     plan = plan_from_blocks(
         model,
         p.token_ids,
