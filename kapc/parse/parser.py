@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import re
 import threading
 import typing
 from dataclasses import dataclass, field
@@ -45,6 +46,16 @@ class _TooManyTokens(Exception):
 
 
 _budget = _TokenBudget()
+
+
+# A continuation inside a string: a backslash that ends a line (not the second half of an escaped
+# backslash), then the next line's indentation.
+_CONTINUATION = re.compile(r"(\\\\)|\\\n[ \t]*")
+
+
+def string_value(token: str) -> str:
+    """A STRING token's value: JSON's string syntax, less line continuations."""
+    return json.loads(_CONTINUATION.sub(lambda m: m.group(1) or "", token))
 
 
 @lru_cache(maxsize=1)
@@ -238,7 +249,7 @@ def _build(cls, keyword, ref, attrs, fail):
         values["id"] = str(ref)[1:]
     for attr in attrs:
         key_tok, value_tree = attr.children
-        key = str(key_tok).rstrip("=") if attr.data == "attr" else json.loads(key_tok)
+        key = str(key_tok).rstrip("=") if attr.data == "attr" else string_value(key_tok)
         if key not in fields or key == "id":
             hint = difflib.get_close_matches(key, [f for f in fields if f != "id"], n=1)
             fail(
@@ -333,7 +344,7 @@ def _convert(tree, hint, what: str, fail):
     if hint is str:
         if kind != "string":
             wrong("a string")
-        value = json.loads(tok)
+        value = string_value(tok)
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
@@ -362,7 +373,7 @@ def _convert(tree, hint, what: str, fail):
         out = {}
         for attr in (c for c in tree.children if c is not None):
             key_tok, value_tree = attr.children
-            key = str(key_tok).rstrip("=") if attr.data == "attr" else json.loads(key_tok)
+            key = str(key_tok).rstrip("=") if attr.data == "attr" else string_value(key_tok)
             if key in out:
                 fail(
                     f"{what}: key {excerpt(key, 40)} given twice",

@@ -305,7 +305,7 @@ KAP_CASES = {
 
 
 def _staged(text_change) -> str:
-    text = (Path(__file__).resolve().parents[2] / "plans" / "q0000-700.5-compact.kap").read_text()
+    text = (Path(__file__).resolve().parents[2] / "plans" / "q0000-small.5-compact.kap").read_text()
     return text_change(text)
 
 

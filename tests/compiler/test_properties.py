@@ -34,22 +34,24 @@ ranges = st.tuples(st.integers(0, 10**6), st.integers(0, 10**6)).map(
 )
 
 
-def strategy_for(hint) -> st.SearchStrategy:
+def strategy_for(hint, text_size: int = 30) -> st.SearchStrategy:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is typing.Annotated:
         if ir.REF in args[1:]:
             return ids
         if ir.WORD in args[1:]:
             return words
-        return strategy_for(args[0])
+        return strategy_for(args[0], text_size)
     if origin in (typing.Union, type(int | None)):
-        return st.one_of(*(st.none() if a is type(None) else strategy_for(a) for a in args))
+        return st.one_of(
+            *(st.none() if a is type(None) else strategy_for(a, text_size) for a in args)
+        )
     if origin is typing.Literal:
         return st.sampled_from(args)
     if origin is tuple:
-        return st.lists(strategy_for(args[0]), max_size=4).map(tuple)
+        return st.lists(strategy_for(args[0], text_size), max_size=4).map(tuple)
     if origin is dict:
-        return st.dictionaries(st.text(max_size=8), strategy_for(args[1]), max_size=3)
+        return st.dictionaries(st.text(max_size=8), strategy_for(args[1], text_size), max_size=3)
     if hint is ir.Range:
         return ranges
     if hint is ir.Anchor:
@@ -58,20 +60,20 @@ def strategy_for(hint) -> st.SearchStrategy:
         bool: st.booleans(),
         int: st.integers(-(2**62), 2**62),
         float: floats,
-        str: st.text(max_size=30),
+        str: st.text(max_size=text_size),
     }[hint]
 
 
-def statement(cls) -> st.SearchStrategy:
+def statement(cls, text_size: int = 30) -> st.SearchStrategy:
     return st.fixed_dictionaries(
-        {name: strategy_for(hint) for name, hint, _, _ in statement_fields(cls)}
+        {name: strategy_for(hint, text_size) for name, hint, _, _ in statement_fields(cls)}
     ).map(lambda d: cls(**d))
 
 
-def modules() -> st.SearchStrategy:
+def modules(text_size: int = 30) -> st.SearchStrategy:
     parts = {}
     for keyword, (cls, many) in ir.STATEMENTS.items():
-        s = statement(cls)
+        s = statement(cls, text_size)
         if keyword == "kap":  # a reader refuses any other version (tested in test_errors)
             parts[keyword] = s.map(lambda h: msgspec.structs.replace(h, version=ir.KAP_VERSION))
         elif many:
@@ -88,6 +90,16 @@ def test_print_parse_roundtrip(module):
     again = parse_module(text)
     assert again == module
     assert print_module(again) == text  # and printing is canonical
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(modules(text_size=400))
+def test_long_strings_break_over_lines_and_read_back(module):
+    """Strings past the line width are printed with continuations (never inside an escape, even
+    a backslash or a \\u escape at the break) and parse back to the same value."""
+    text = print_module(module)
+    assert parse_module(text) == module
+    assert print_module(parse_module(text)) == text
 
 
 @settings(max_examples=100, deadline=None)

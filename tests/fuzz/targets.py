@@ -511,16 +511,16 @@ DOMAINS = {
 # what each pass runs on when the pipeline target runs it alone (align-spans needs the model)
 _STAGE_BEFORE = {"ground": 0, "select": 2, "resolve-pages": 3, "compact": 4}
 _PLAN_FILES = {
-    2: "q0000-700.2-align-spans.kap",
-    3: "q0000-700.3-select.kap",
-    4: "q0000-700.4-resolve-pages.kap",
+    2: "q0000-small.2-align-spans.kap",
+    3: "q0000-small.3-select.kap",
+    4: "q0000-small.4-resolve-pages.kap",
 }
 
 
 @functools.cache
 def stage_module(stage: int) -> Module:
     if stage == 0:
-        return module_from_prior(load_prior(ROOT / "examples/hotpotqa/q0000-700.prior.json"))
+        return module_from_prior(load_prior(ROOT / "tests/compiler/inputs/q0000-small.prior.json"))
     path = ROOT / "plans" / _PLAN_FILES[stage]
     return parse_module(path.read_text(encoding="utf-8"), str(path))
 
