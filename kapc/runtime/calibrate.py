@@ -244,9 +244,14 @@ def calibrate(
     )
     with Progress(*columns, console=console, disable=not progress) as bar:
         task = bar.add_task("calibrating", total=len(todo))
-        for point in todo:
+        for j, point in enumerate(todo, start=1):
             kind, L, B, s, q = point
-            bar.update(task, description=f"{kind} L={L} B={B}" + (f" s={s} q={q}" if q > 1 else ""))
+            what = f"{kind} L={L} B={B}" + (f" s={s} q={q}" if q > 1 else "")
+            bar.update(task, description=what)
+            if not console.is_terminal:
+                # a log file gets a line as each point starts: the first one starts the engine,
+                # which takes minutes, and the result line only comes after it
+                console.print(f"kapc calibrate: point {j}/{len(todo)}: {what} ...")
             t0 = time.perf_counter()
             samples, extra = measure_point(bench, grid, point)
             setup = {name: v for name in ENGINE_SETUP if (v := getattr(bench, name, ""))}

@@ -46,13 +46,19 @@ class Counting:
         return attr
 
 
-def test_tiny_calibration_gives_a_well_formed_profile(tmp_path):
+def test_tiny_calibration_gives_a_well_formed_profile(tmp_path, capsys):
     bench = Counting(ReferenceBench(block_size=16, max_context=1024, max_batch=2))
     # as vLLM's bench does once kapc's engine is up: every point measured on it records this, and
     # the progress lines must still print (a KeyError there once ended a vLLM calibration)
     bench.attention_kernel, bench.draft_weights = "kapc's", "bfloat16 copies"
     profile, path = calibrate(bench, TINY, resume=False, progress=False, out=tmp_path / "p.json")
     assert profile.attention_kernel == "kapc's" and profile.draft_weights == "bfloat16 copies"
+    # output that is not a terminal gets a line as each point starts, before its result line
+    log = capsys.readouterr().err.splitlines()
+    n = len(TINY.points())
+    starts = [i for i, line in enumerate(log) if line.startswith("kapc calibrate: point ")]
+    assert len(starts) == n and log[starts[0]].startswith(f"kapc calibrate: point 1/{n}: ")
+    assert all(log[i + 1].startswith("  ") for i in starts)  # its result follows it
     # every cycle point times resting steps beside it (rest_beside_cycles)
     cycles = sum(pt[0] == "cycle" for pt in TINY.points())
     assert TINY.rest_beside_cycles and bench.calls == len(TINY.points()) + cycles
