@@ -33,11 +33,13 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests/vllm $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -q tests/serve $(PYTEST_ARGS)
 
-# ruff's lint rules and formatter over the whole tree (pyproject.toml: [tool.ruff]).
+# ruff's lint rules and formatter over the whole tree (pyproject.toml: [tool.ruff]), and mypy over
+# the torch-free compiler core ([tool.mypy]).
 # `make format` applies the formatter and the safe fixes.
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .

@@ -147,7 +147,10 @@ def _ground(m: Module) -> Iterator[Problem]:
 
 
 def _align_spans(m: Module) -> Iterator[Problem]:
-    n, chars = m.prompt.tokens, m.prompt.chars
+    prompt, t = m.prompt, m.target
+    if prompt is None or t is None:
+        return  # _header reports a stage's missing statements
+    n, chars = prompt.tokens, prompt.chars
     if not 1 <= n <= MAX_PROMPT_TOKENS:
         yield ("prompt", 0), f"prompt: {n} tokens, outside 1..{MAX_PROMPT_TOKENS}"
         return
@@ -182,13 +185,15 @@ def _align_spans(m: Module) -> Iterator[Problem]:
                 ("span", i),
                 (f"span %{sp.id}: tokens {sp.tokens.start}..{sp.tokens.end} past the prompt ({n})"),
             )
-    t = m.target
     if t.parameters < 1 or t.kv_elements_per_token < 1:
         yield ("target", 0), "target: parameters and kv_elements_per_token must be positive"
 
 
 def _select(m: Module) -> Iterator[Problem]:
-    n, sel = m.prompt.tokens, m.select
+    prompt, sel = m.prompt, m.select
+    if prompt is None or sel is None:
+        return  # _header reports a stage's missing statements
+    n = prompt.tokens
     for i, k in enumerate(m.keep):
         if k.tokens.end > n:
             yield ("keep", i), f"keep {k.tokens.start}..{k.tokens.end} past the prompt"
@@ -207,7 +212,10 @@ def _select(m: Module) -> Iterator[Problem]:
 
 
 def _pages(m: Module) -> Iterator[Problem]:
-    p, n = m.pages, m.prompt.tokens
+    p, prompt = m.pages, m.prompt
+    if p is None or prompt is None:
+        return  # _header reports a stage's missing statements
+    n = prompt.tokens
     if not 1 <= p.block_size <= MAX_BLOCK_SIZE:
         yield ("pages", 0), f"pages: block size {p.block_size} outside 1..{MAX_BLOCK_SIZE}"
         return
@@ -251,11 +259,13 @@ def _pages(m: Module) -> Iterator[Problem]:
 
 
 def _compact(m: Module) -> Iterator[Problem]:
-    width = sum(len(r) for r in m.pages.selected)
-    v, ver, fb, c = m.view, m.verify, m.fallback, m.cost
+    p, v, ver, fb, c = m.pages, m.view, m.verify, m.fallback, m.cost
+    if p is None or v is None or ver is None or fb is None or c is None or m.access is None:
+        return  # _header reports a stage's missing statements
+    width = sum(len(r) for r in p.selected)
     if v.blocks != width or not width <= v.padded_blocks <= 2 * width:
         yield ("view", 0), "view: block count does not match the selected pages"
-    if v.tail_block != m.pages.blocks - 1 or v.tail_slot != (width - 1) * m.pages.block_size:
+    if v.tail_block != p.blocks - 1 or v.tail_slot != (width - 1) * p.block_size:
         yield ("view", 0), "view: the tail block and slot are not the last prompt block's"
     try:
         parse_accept(ver.accept)

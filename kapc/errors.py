@@ -25,7 +25,12 @@ def bounded(message: str, limit: int = 60) -> str:
     holds 100 KB must not get a 100 KB error line. Quoted strings are cut before the backquoted
     paths that hold them, so a path keeps its steps and loses only the long key."""
     for pattern, times in _QUOTED:
-        message = pattern.sub(lambda m, n=limit * times: _cut(m.group(0), n), message)
+        width = limit * times
+
+        def cut(m: re.Match[str], width: int = width) -> str:
+            return _cut(m.group(0), width)
+
+        message = pattern.sub(cut, message)
     return message
 
 

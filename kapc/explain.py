@@ -4,8 +4,10 @@ of the output (with --full-text) is itself a valid `.kap` file."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kapc.intervals import union
-from kapc.ir import Module
+from kapc.ir import Module, present
 from kapc.parse import print_module
 
 ELIDE = 72  # long enough to keep fingerprints whole
@@ -26,7 +28,8 @@ def prompt_view(module: Module) -> list[str]:
     if module.prompt is None:
         if not module.evidence:
             return []
-        rows = [("passage", "prior")] + [(f"%{e.id}", f"{e.prior:.3f}") for e in module.evidence]
+        rows: list[tuple[str, ...]] = [("passage", "prior")]
+        rows += [(f"%{e.id}", f"{e.prior:.3f}") for e in module.evidence]
         return _table("passages by prior (ground)", rows)
     prior = {e.id: e.prior for e in module.evidence}
     keeps = {}
@@ -38,8 +41,8 @@ def prompt_view(module: Module) -> list[str]:
     for seg in module.segment:
         span = spans[seg.id].tokens
         status = "-" if module.select is None else keeps.get(seg.id, "dropped")
-        p = f"{prior[seg.id]:.3f}" if seg.id in prior else ""
-        rows.append((f"%{seg.id}", seg.kind, f"{span.start}..{span.end}", p, status))
+        score = f"{prior[seg.id]:.3f}" if seg.id in prior else ""
+        rows.append((f"%{seg.id}", seg.kind, f"{span.start}..{span.end}", score, status))
     lines = _table(f"prompt: {module.prompt.tokens} tokens", rows)
     if module.select is not None:
         kept = union(k.tokens for k in module.keep)
@@ -97,24 +100,26 @@ def length_gist(pays_from: int) -> str:
 
 def cost_view(module: Module) -> list[str]:
     """What the cost model predicts, and what would change its mind."""
-    c = module.cost
+    c, fallback = present(module.cost, "cost"), present(module.fallback, "fallback")
     verdict = (
         "pays off"
         if c.pays
         else "predicted loss: runtime falls back to full context"
-        if module.fallback.on_predicted_loss
+        if fallback.on_predicted_loss
         else "predicted loss"
     )
     p = f" p={c.p:.3f} ->" if c.p is not None else ""
     # a query-aware proposal reads its access budget, not the plan's pages: the cost is of that
     a = module.access
-    s, of = (c.s, "") if a is None or a.mode == "static" else (a.budget, f" ({a.mode} view)")
+    s, of = c.s, ""
+    if a is not None and a.mode != "static" and a.budget is not None:
+        s, of = a.budget, f" ({a.mode} view)"
     lines = [
         f"# cost ({c.basis}): k={c.k}{p} h={c.h:.3f}, h - s = {c.h - s:.3f}{of}, "
         f"batch={c.batch}"
         f" -> predicted speedup {c.speedup:.3f}x ({verdict})"
     ]
-    floor = module.fallback.min_acceptance
+    floor = fallback.min_acceptance
     if c.break_even is not None:
         why = (
             f"the runtime stops drafting below {floor:.3f}"
@@ -130,7 +135,7 @@ def cost_view(module: Module) -> list[str]:
     if c.pays_from is not None:
         lines.append(
             f"# cost: {length_gist(c.pays_from)} at s = {s:.3f}, k = {c.k}, batch = "
-            f"{c.batch} (the paper's KV_crit; this prompt: {module.prompt.tokens:,})"
+            f"{c.batch} (the paper's KV_crit; this prompt: {present(module.prompt, 'prompt').tokens:,})"
         )
     if c.by_k:
         lines.append(
@@ -142,7 +147,7 @@ def cost_view(module: Module) -> list[str]:
 
 def _block_map(module: Module, width: int = 64) -> str:
     """One character per group of blocks: '#' all selected, '+' some, '.' none."""
-    p = module.pages
+    p = present(module.pages, "pages")
     chosen = [False] * p.blocks
     for r in p.selected:
         for b in range(r.start, r.end):
@@ -155,7 +160,7 @@ def _block_map(module: Module, width: int = 64) -> str:
     return "".join(out)
 
 
-def _table(title: str, rows: list[tuple[str, ...]]) -> list[str]:
+def _table(title: str, rows: Sequence[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"# {title}"]
     for r in rows:

@@ -65,14 +65,14 @@ KeepReason = Literal["sink", "instruction", "question", "template", "text", "evi
 KAP_VERSION = 1  # the .kap text format's version; a reader refuses any other
 
 
-class Header(Node, kw_only=True):
+class Header(Node, kw_only=True, frozen=True):
     version: int = KAP_VERSION
     name: str
     request: Literal["chat", "raw"]
     passes: tuple[Word, ...] = ()
 
 
-class Segment(Node, kw_only=True):
+class Segment(Node, kw_only=True, frozen=True):
     id: Ref
     message: int = 0  # index of the chat message it belongs to
     role: Literal["system", "user", "assistant", "none"] = "none"
@@ -81,7 +81,7 @@ class Segment(Node, kw_only=True):
     text: str
 
 
-class Unit(Node, kw_only=True):
+class Unit(Node, kw_only=True, frozen=True):
     id: Ref
     kind: UnitKind
     segment: Ref | None = None
@@ -90,13 +90,13 @@ class Unit(Node, kw_only=True):
     scores: dict[str, float] = {}
 
 
-class Evidence(Node, kw_only=True):
+class Evidence(Node, kw_only=True, frozen=True):
     id: Ref  # the passage segment it stands for
     prior: float
     sources: tuple[Ref, ...] = ()  # the units whose scores went into `prior`
 
 
-class Target(Node, kw_only=True):
+class Target(Node, kw_only=True, frozen=True):
     model: str
     fingerprint: str
     tokenizer: str
@@ -105,19 +105,19 @@ class Target(Node, kw_only=True):
     kv_elements_per_token: int  # 2 * layers * kv_heads * head_dim
 
 
-class Prompt(Node, kw_only=True):
+class Prompt(Node, kw_only=True, frozen=True):
     chars: int
     tokens: int
     hash: str
 
 
-class Span(Node, kw_only=True):
+class Span(Node, kw_only=True, frozen=True):
     id: Ref
     chars: Range
     tokens: Range
 
 
-class Select(Node, kw_only=True):
+class Select(Node, kw_only=True, frozen=True):
     budget: int  # tokens
     kept: int  # tokens kept, never above budget
     mandatory: int  # of which kept regardless of evidence (sink, instruction, question, window...)
@@ -127,14 +127,14 @@ class Select(Node, kw_only=True):
     separation: float | None = None
 
 
-class Keep(Node, kw_only=True):
+class Keep(Node, kw_only=True, frozen=True):
     id: Ref | None = None
     tokens: Range
     why: KeepReason
     prior: float | None = None
 
 
-class Pages(Node, kw_only=True):
+class Pages(Node, kw_only=True, frozen=True):
     block_size: int
     blocks: int  # prompt blocks in all
     selected: tuple[Range, ...]  # logical block ranges, ascending, the tail block last
@@ -142,14 +142,14 @@ class Pages(Node, kw_only=True):
     visible: int  # prompt tokens in the selected blocks
 
 
-class View(Node, kw_only=True):
+class View(Node, kw_only=True, frozen=True):
     blocks: int  # compact table width (selected blocks)
     padded_blocks: int  # width padded to a stable bucket
     tail_block: int  # logical block holding the last prompt token; generated tokens follow it
     tail_slot: int  # compact index of the tail block's first token
 
 
-class Verify(Node, kw_only=True):
+class Verify(Node, kw_only=True, frozen=True):
     k: int
     accept: Word  # "greedy" or "top{N}"
 
@@ -158,7 +158,7 @@ AccessMode = Literal["static", "dynamic", "hybrid"]
 Proxy = Literal["query", "es-in", "es-mid", "es-mix"]
 
 
-class Access(Node, kw_only=True):
+class Access(Node, kw_only=True, frozen=True):
     """The access policy (kapc.lower.kapb.AccessPolicy says what each value means): `static`
     reads the plan's pages; `dynamic` the pages the draft's query picks from per-page key bounds,
     `budget` of the prompt in all; `hybrid` the plan's pages plus the query's best, `budget` in
@@ -174,7 +174,7 @@ class Access(Node, kw_only=True):
     mix_digest: str | None = None
 
 
-class Fallback(Node, kw_only=True):
+class Fallback(Node, kw_only=True, frozen=True):
     max_retained: float
     min_acceptance: float
     acceptance_window: int
@@ -182,7 +182,7 @@ class Fallback(Node, kw_only=True):
     min_separation: float = 0.0  # prior confidence: below this `Select.separation`, full context
 
 
-class Cost(Node, kw_only=True):
+class Cost(Node, kw_only=True, frozen=True):
     dtype_bytes: int
     batch: int
     weight_bytes: int
@@ -204,7 +204,22 @@ class Cost(Node, kw_only=True):
     pays_from: int | None = None
 
 
-class Module(Node, kw_only=True):
+T = typing.TypeVar("T")
+
+
+class MissingStatement(ValueError):
+    """A module read as if a pass had run that has not: a bug in the caller, not in the input
+    (the checker refuses a module whose passes lack their statements)."""
+
+
+def present(value: T | None, what: str) -> T:
+    """A statement a pass wrote (or a field the checker requires), for code that runs after it."""
+    if value is None:
+        raise MissingStatement(f"the module lacks {what}")
+    return value
+
+
+class Module(Node, kw_only=True, frozen=True):
     """A whole plan at some stage. Statement order in the text is the field order here."""
 
     kap: Header

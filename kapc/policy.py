@@ -421,7 +421,7 @@ def plan_step(
     profile,
     rows: list[DraftRow],
     others: list[int],
-    fixed: list[DraftRow] = (),
+    fixed: Sequence[DraftRow] = (),
     margin: float = DRAFT_MARGIN,
 ) -> list[int]:
     """How many tokens each of `rows` drafts this step (0: none), for the most tokens per second
@@ -791,7 +791,7 @@ class AcceptanceMonitor:
 
     def record(self, proposed: int, accepted: int) -> str | None:
         self.recent.extend([1] * accepted + [0] * (proposed - accepted))
-        if self.min_acceptance <= 0 or len(self.recent) < self.recent.maxlen:
+        if self.min_acceptance <= 0 or len(self.recent) < (self.recent.maxlen or 0):
             return None
         rate = sum(self.recent) / len(self.recent)
         if rate < self.min_acceptance:

@@ -18,14 +18,14 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
 from kapc.errors import KapcError, bounded
 from kapc.files import FileError, read_input, without_bom
 
-PRIOR_FORMAT = "kapc.prior"
+PRIOR_FORMAT: Final = "kapc.prior"
 PRIOR_VERSION = 1
 
 SegmentKind = Literal["instruction", "question", "passage", "text"]
@@ -42,7 +42,7 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=T
     pass
 
 
-class Segment(_Strict, kw_only=True):
+class Segment(_Strict, kw_only=True, frozen=True):
     """A contiguous piece of a message. Passages must carry an `id`; their text is the passage as
     it appears in the prompt (title line and trailing separator included, if the frontend puts them there)."""
 
@@ -52,12 +52,12 @@ class Segment(_Strict, kw_only=True):
     title: str | None = None
 
 
-class Message(_Strict, kw_only=True):
+class Message(_Strict, kw_only=True, frozen=True):
     role: Role
     segments: list[Segment]
 
 
-class Request(_Strict, kw_only=True):
+class Request(_Strict, kw_only=True, frozen=True):
     """Either `messages` (rendered with the model's chat template, generation prompt added) or `raw`
     (segments concatenated verbatim, no template)."""
 
@@ -65,7 +65,7 @@ class Request(_Strict, kw_only=True):
     raw: list[Segment] | None = None
 
 
-class Anchor(_Strict, kw_only=True):
+class Anchor(_Strict, kw_only=True, frozen=True):
     """A character range [start, end) inside the text of passage segment `segment`."""
 
     segment: Id
@@ -73,7 +73,7 @@ class Anchor(_Strict, kw_only=True):
     end: NonNegInt
 
 
-class Unit(_Strict, kw_only=True):
+class Unit(_Strict, kw_only=True, frozen=True):
     """One evidence unit. `passage` units name their segment in `segment`; graph-derived units
     (`node`, `triple`, `proposition`) point at the passages they came from through `anchors`.
     `scores` maps a score name (dense, sparse, rerank, ppr, or any other) to a value where larger
@@ -87,13 +87,13 @@ class Unit(_Strict, kw_only=True):
     scores: dict[str, float] = {}
 
 
-class Frontend(_Strict, kw_only=True):
+class Frontend(_Strict, kw_only=True, frozen=True):
     name: str
     version: str = ""
     params: dict[str, Any] = {}
 
 
-class Prior(_Strict, kw_only=True):
+class Prior(_Strict, kw_only=True, frozen=True):
     format: Literal["kapc.prior"] = PRIOR_FORMAT
     version: Annotated[int, msgspec.Meta(ge=1)] = PRIOR_VERSION
     name: str
@@ -303,15 +303,15 @@ def _check_references(prior: Prior, source: str) -> None:
                 f"{source}: {path}.anchors: a {unit.kind} unit needs at least one anchor"
             )
         for j, anchor in enumerate(unit.anchors):
-            seg = passages.get(anchor.segment)
-            if seg is None:
+            anchored = passages.get(anchor.segment)
+            if anchored is None:
                 raise PriorError(
                     f"{source}: {path}.anchors[{j}].segment: no passage segment {anchor.segment!r}"
                 )
-            if not anchor.start <= anchor.end <= len(seg.text):
+            if not anchor.start <= anchor.end <= len(anchored.text):
                 raise PriorError(
                     f"{source}: {path}.anchors[{j}]: range {anchor.start}..{anchor.end} is outside "
-                    f"passage {anchor.segment!r} ({len(seg.text)} characters)"
+                    f"passage {anchor.segment!r} ({len(anchored.text)} characters)"
                 )
         for name, value in unit.scores.items():
             if value != value or value in (float("inf"), float("-inf")):

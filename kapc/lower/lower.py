@@ -33,7 +33,20 @@ def lower_module(module: Module, ctx: CompileContext) -> bytes:
             f"cannot lower module {module.kap.name!r}: it has not been through "
             f"`compact` (passes so far: {', '.join(module.kap.passes) or 'none'})"
         )
-    assets, target = ctx.assets, module.target
+    target, prompt, pages, view = module.target, module.prompt, module.pages, module.view
+    verify, f, c, access = module.verify, module.fallback, module.cost, module.access
+    if (
+        target is None
+        or prompt is None
+        or pages is None
+        or view is None
+        or verify is None
+        or f is None
+        or c is None
+        or access is None
+    ):  # the checker refuses such a module before it gets here; say so if one does
+        raise LowerError(f"module {module.kap.name!r} lacks a statement compact writes")
+    assets = ctx.assets
     if target.fingerprint != assets.fingerprint or target.tokenizer != assets.tokenizer_fingerprint:
         raise LowerError(
             f"module {module.kap.name!r} was aligned for model {target.model} "
@@ -42,11 +55,11 @@ def lower_module(module: Module, ctx: CompileContext) -> bytes:
         )
     rendered, tokens = ctx.tokenize.prompt(module)
     name = module.kap.name
-    if tokens.hash != module.prompt.hash or len(tokens.ids) != module.prompt.tokens:
+    if tokens.hash != prompt.hash or len(tokens.ids) != prompt.tokens:
         raise LowerError(
             f"module {name!r}: the prompt tokenizes to {len(tokens.ids)} tokens "
-            f"({tokens.hash[:19]}), not the {module.prompt.tokens} "
-            f"({module.prompt.hash[:19]}) recorded by align-spans (was it edited?)"
+            f"({tokens.hash[:19]}), not the {prompt.tokens} "
+            f"({prompt.hash[:19]}) recorded by align-spans (was it edited?)"
         )
     # Spans are facts about the prompt, not choices: a plan must not rest on edited ones.
     for seg, span, (first, last) in zip(
@@ -59,11 +72,10 @@ def lower_module(module: Module, ctx: CompileContext) -> bytes:
                 f"%{seg.id} at {first}..{last} (was it edited?)"
             )
 
-    pages, bs, n = module.pages, module.pages.block_size, module.prompt.tokens
+    bs, n = pages.block_size, prompt.tokens
     blocks = np.concatenate([np.arange(r.start, r.end, dtype=np.int32) for r in pages.selected])
     positions = (blocks[:, None] * bs + np.arange(bs, dtype=np.int32)).ravel()
     positions = positions[positions < n]
-    c, f = module.cost, module.fallback
     header = PlanHeader(
         name=module.kap.name,
         kapc_version=__version__,
@@ -73,12 +85,12 @@ def lower_module(module: Module, ctx: CompileContext) -> bytes:
         template_fingerprint=target.template,
         block_size=bs,
         prompt_tokens=n,
-        prompt_hash=module.prompt.hash,
+        prompt_hash=prompt.hash,
         visible_prompt_tokens=pages.visible,
         retained_ratio=pages.retained,
-        padded_blocks=module.view.padded_blocks,
-        k=module.verify.k,
-        accept=module.verify.accept,
+        padded_blocks=view.padded_blocks,
+        k=verify.k,
+        accept=verify.accept,
         fallback=FallbackPolicy(
             max_retained=f.max_retained,
             min_acceptance=f.min_acceptance,
@@ -99,7 +111,7 @@ def lower_module(module: Module, ctx: CompileContext) -> bytes:
             break_even=c.break_even,
             p=c.p,
         ),
-        access=access_policy(module.access),
+        access=access_policy(access),
         prior_separation=(module.select.separation if module.select is not None else None),
     )
     data = encode_plan(header, tokens.ids, blocks, positions)

@@ -53,6 +53,10 @@ _budget = _TokenBudget()
 _CONTINUATION = re.compile(r"(\\\\)|\\\n[ \t]*")
 
 
+# how the parser reports an error at a position: (message, line, column, width) -> never returns
+Fail = typing.Callable[..., typing.NoReturn]
+
+
 def string_value(token: str) -> str:
     """A STRING token's value: JSON's string syntax, less line continuations."""
     return json.loads(_CONTINUATION.sub(lambda m: m.group(1) or "", token))
@@ -113,8 +117,11 @@ def parse_module(text: str, path: str = "<kap>") -> Module:
 def parse_located(text: str, path: str = "<kap>") -> tuple[Module, SourceMap]:
     """Parse `.kap` text; also return where each statement stands."""
 
-    def fail(message: str, line: int, column: int, width: int = 1) -> typing.NoReturn:
-        raise KapError(message, path=path, source=text, line=line, column=column, width=width)
+    def fail(message: str, line: int | None, column: int | None, width: int = 1) -> typing.NoReturn:
+        # lark types a token's position as optional; every token the lexer made has one
+        raise KapError(
+            message, path=path, source=text, line=line or 1, column=column or 1, width=width
+        )
 
     _budget.left = MAX_KAP_TOKENS
     try:
@@ -127,7 +134,7 @@ def parse_located(text: str, path: str = "<kap>") -> tuple[Module, SourceMap]:
             exc.tok.column,
         )
     except lark.UnexpectedCharacters as exc:
-        char = text[exc.pos_in_stream]
+        char = text[exc.pos_in_stream or 0]
         fail(
             "unterminated string (or a raw control character inside it)"
             if char == '"'
@@ -148,7 +155,10 @@ def parse_located(text: str, path: str = "<kap>") -> tuple[Module, SourceMap]:
     collected: dict[str, list] = {k: [] for k in STATEMENTS}
     first_at: dict[str, lark.Token] = {}
     for stmt in tree.children:
-        keyword, ref, *attrs = stmt.children
+        # the grammar's shape: stmt: NAME [REF] attr*
+        keyword = typing.cast(lark.Token, typing.cast(lark.Tree, stmt).children[0])
+        ref = typing.cast("lark.Token | None", typing.cast(lark.Tree, stmt).children[1])
+        attrs = typing.cast(lark.Tree, stmt).children[2:]
         if keyword not in STATEMENTS:
             hint = difflib.get_close_matches(str(keyword), STATEMENTS, n=1)
             fail(
@@ -158,22 +168,23 @@ def parse_located(text: str, path: str = "<kap>") -> tuple[Module, SourceMap]:
                 keyword.column,
                 len(keyword),
             )
-        cls, many = STATEMENTS[keyword]
-        if not many and collected[keyword]:
-            prev = first_at[keyword]
+        name = str(keyword)
+        cls, many = STATEMENTS[name]
+        if not many and collected[name]:
+            prev = first_at[name]
             fail(
                 f"a second {str(keyword)!r} statement (the first is at line {prev.line})",
                 keyword.line,
                 keyword.column,
                 len(keyword),
             )
-        first_at.setdefault(str(keyword), keyword)
-        where.at[(str(keyword), len(collected[keyword]))] = (
-            keyword.line,
-            keyword.column,
+        first_at.setdefault(name, keyword)
+        where.at[(name, len(collected[name]))] = (
+            keyword.line or 1,
+            keyword.column or 1,
             len(keyword),
         )
-        collected[keyword].append(_build(cls, keyword, ref, attrs, fail))
+        collected[name].append(_build(cls, keyword, ref, attrs, fail))
 
     if not collected["kap"]:
         fail(
@@ -195,7 +206,7 @@ def parse_located(text: str, path: str = "<kap>") -> tuple[Module, SourceMap]:
             at.column,
             len(at),
         )
-    fields = {
+    fields: dict[str, typing.Any] = {
         k: (tuple(v) if STATEMENTS[k][1] else (v[0] if v else None)) for k, v in collected.items()
     }
     return Module(**fields), where
@@ -240,7 +251,7 @@ def _end_position(text: str) -> tuple[int, int]:
     return len(lines), len(lines[-1]) + 1
 
 
-def _build(cls, keyword, ref, attrs, fail):
+def _build(cls, keyword, ref, attrs, fail: Fail):
     fields = {name: (hint, required) for name, hint, required, _ in statement_fields(cls)}
     values = {}
     if ref is not None:
@@ -284,21 +295,25 @@ def _integer(digits: str, wrong) -> int:
 
 def _position(tree) -> tuple[int, int, int]:
     if isinstance(tree, lark.Token):
-        return tree.line, tree.column, len(tree)
+        return tree.line or 1, tree.column or 1, len(tree)
     meta = tree.meta
     width = meta.end_column - meta.column if meta.line == meta.end_line else 1
     return meta.line, meta.column, width
 
 
-def _convert(tree, hint, what: str, fail):
+def _convert(tree, hint, what: str, fail: Fail) -> typing.Any:
     """Turn a parsed value into the Python value `hint` asks for, or fail at its position."""
-    kind = tree.data if isinstance(tree, lark.Tree) else None
-    tok = (
+    kind: str | None = str(tree.data) if isinstance(tree, lark.Tree) else None
+    tok: typing.Any = (
         tree.children[0] if kind in ("string", "number", "range", "anchor", "ref", "name") else None
     )
 
     def wrong(expected: str) -> typing.NoReturn:
-        shown = str(tok) if tok is not None else {"list": "a list", "map": "a map"}.get(kind, kind)
+        shown = (
+            str(tok)
+            if tok is not None
+            else {"list": "a list", "map": "a map"}.get(kind or "", kind or "")
+        )
         if len(shown) > 40:
             shown = shown[:37] + "..."
         fail(
@@ -337,10 +352,10 @@ def _convert(tree, hint, what: str, fail):
     if hint is float:
         if kind != "number":
             wrong("a number")
-        value = float(tok)
-        if not math.isfinite(value):
+        number = float(tok)
+        if not math.isfinite(number):
             wrong("a finite number")
-        return value
+        return number
     if hint is str:
         if kind != "string":
             wrong("a string")

@@ -93,7 +93,7 @@ class Compact(Pass):
             return "proxy=es-mix needs mix=FILE (a proxy calibration, `kapc calibrate-proxy`)"
         if isinstance(self.access_budget, str) and self.access_budget != "plan":
             return f"access-budget must be a ratio or plan, not {excerpt(self.access_budget)}"
-        budget = 0.5 if self.access_budget == "plan" else self.access_budget
+        budget = 0.5 if isinstance(self.access_budget, str) else self.access_budget
         return access_problem(
             AccessPolicy(
                 mode=self.access, budget=budget, proxy=self.proxy, mix=("in",) if self.mix else ()
@@ -101,7 +101,8 @@ class Compact(Pass):
         )
 
     def run(self, module: ir.Module, ctx: CompileContext) -> ir.Module:
-        pages, target, n = module.pages, module.target, module.prompt.tokens
+        pages, target = ir.present(module.pages, "pages"), ir.present(module.target, "target")
+        n = ir.present(module.prompt, "prompt").tokens
         width = sum(len(r) for r in pages.selected)
         tail_block = pages.blocks - 1
         view = ir.View(
@@ -129,7 +130,7 @@ class Compact(Pass):
         pred = predict(
             s=drafted,
             p=p,
-            k=None if self.k == "auto" else self.k,
+            k=None if isinstance(self.k, str) else self.k,
             batch=self.batch,
             context=n,
             profile=profile,
@@ -226,10 +227,10 @@ class Compact(Pass):
                 )
             mix, file, digest = found.mix, self.mix, found.digest
         return ir.Access(
-            mode=self.access,
+            mode=self.access,  # type: ignore[arg-type]  # check() allows only AccessMode's values
             budget=round(budget, 6),
-            proxy=self.proxy,
-            mix=mix or (),
+            proxy=self.proxy,  # type: ignore[arg-type]  # and Proxy's
+            mix=mix or (),  # type: ignore[arg-type]  # a proxy calibration holds in/mid only
             mix_file=file,
             mix_digest=digest,
         )

@@ -43,8 +43,9 @@ class Ground(Pass):
         own: dict[str, list[float]] = defaultdict(list)
         sources: dict[str, list[str]] = defaultdict(list)
         for u in own_units:
-            own[u.segment].extend(own_norm[u.id])
-            sources[u.segment].append(u.id)
+            seg = ir.present(u.segment, "passage unit's segment")  # the checker sees to it
+            own[seg].extend(own_norm[u.id])
+            sources[seg].append(u.id)
         graph: dict[str, float] = defaultdict(float)
         for u in graph_units:
             best = max(graph_norm[u.id], default=0.0)

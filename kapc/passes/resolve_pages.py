@@ -31,7 +31,7 @@ class ResolvePages(Pass):
 
     def run(self, module: ir.Module, ctx: CompileContext) -> ir.Module:
         bs = self.block_size
-        n = module.prompt.tokens
+        n = ir.present(module.prompt, "prompt").tokens
         blocks = -(-n // bs)
         hit = np.zeros(blocks, dtype=bool)
         for k in module.keep:

@@ -90,7 +90,7 @@ class Select(Pass):
         return None
 
     def run(self, module: ir.Module, ctx: CompileContext) -> ir.Module:
-        n = module.prompt.tokens
+        n = ir.present(module.prompt, "prompt").tokens
         budget = self.budget(n)
         if budget >= n:
             raise PassError(
