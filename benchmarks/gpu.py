@@ -6,7 +6,7 @@ calibration profile.
 
 That machine lacks msgspec (kapc.profile needs it): carry a cp312 manylinux wheel of it and
 install it with `pip install --no-deps --target` first (run 2026-12-04: 428 s of device time with
-`--budget-s 380`; docs/runtime.md has the figures).
+`--budget-s 380`; benchmarks/records/reference-executor/ has the figures).
 
 The GPU machine lent to some sessions has PyTorch with CUDA and transformers but no vLLM, and
 receives at most 64 MiB: the bundled SmolLM2 does not fit, so the model is built from a config

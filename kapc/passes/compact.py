@@ -122,7 +122,7 @@ class Compact(Pass):
         p, fit = self.expect_acceptance, None
         if profile is not None:
             # a profile without a query-aware model: the plan's pages' model at the same s, which
-            # measured lower (docs/access.md), so the prediction errs towards full context
+            # measured lower (benchmarks/records/access-pages/), so the prediction errs towards full context
             fit = profile.acceptance_fit(self.accept, self.access) or profile.acceptance_fit(
                 self.accept
             )
