@@ -119,3 +119,42 @@ def test_a_second_run_resumes_without_decoding(sweep):
     assert "starting the" not in proc.stderr  # no engine was needed
     assert "building" not in proc.stderr  # nor the frontend: every case's rows are there
     assert (out / "results.jsonl").read_text() == before
+
+
+def test_the_reference_engine_runs_a_sweep(tmp_path):
+    """`--engine reference` (a documented option) decodes plans on the reference executor, handed
+    the same `.kapb` bytes vLLM's requests carry; greedy stays identical to full context."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kapc",
+            "bench",
+            "--out",
+            str(tmp_path),
+            "--engine",
+            "reference",
+            "--questions",
+            "1",
+            "--lengths",
+            "1024",  # at 512 tokens the plan keeps 65% and falls back (max_retained)
+            "--batch",
+            "1",
+            "--workloads",
+            "short",
+            "--methods",
+            "full,kapc",
+            "--ttft-samples",
+            "0",
+            "--short-tokens",
+            "12",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["method"]: r for r in _rows(tmp_path)}
+    assert set(rows) == {"full", "kapc"}
+    assert rows["kapc"]["status"] == "plan" and rows["kapc"]["proposed"] > 0
+    assert rows["kapc"]["tokens"] == rows["full"]["tokens"]
