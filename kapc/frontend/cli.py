@@ -53,7 +53,7 @@ GraphOpt = Annotated[
     str,
     typer.Option(
         "--graph",
-        help="Graph frontend setting: default (kapc's, measured in docs/frontend.md: "
+        help="Graph frontend setting: default (kapc's, measured in benchmarks/records/frontend-recall/: "
         "passage node weight 0.5, second-hop node units from the 2 best passages) or hipporag2 "
         "(HippoRAG 2's: passage node weight 0.05, the 100 highest-PPR node units).",
     ),

@@ -64,7 +64,7 @@ TITLE_EDGE_WEIGHT = 1.0  # > 1 ties a page more strongly to the entity it is tit
 class GraphConfig:
     """Every knob of the graph and of the node units emitted from it. `GraphConfig()` is
     HippoRAG 2's setting (`HIPPORAG2`); kapc's default is `DEFAULT` (see below and
-    docs/frontend.md for the held-out measurement behind it)."""
+    benchmarks/records/frontend-recall/ for the held-out measurement behind it)."""
 
     damping: float = DAMPING
     passage_node_weight: float = PASSAGE_NODE_WEIGHT
