@@ -136,11 +136,13 @@ def _broken_items(first: str, items: list[str], close: str) -> list[str]:
     lines, line = [], first
     for n, item in enumerate(items):
         piece = item + ("," if n < len(items) - 1 else close)
-        sep = "" if line == first or line.endswith("[") or line.endswith("{") else " "
-        if line.strip() and len(line) + len(sep) + len(piece) > WIDTH and line != first:
+        if line == first:  # the first item stays beside the opening bracket
+            line += piece
+        elif len(line) + 1 + len(piece) > WIDTH:
             lines.append(line)
-            line, sep = INDENT * 2, ""
-        line += sep + piece
+            line = INDENT * 2 + piece
+        else:
+            line += " " + piece
     lines.append(line)
     return lines
 
