@@ -28,7 +28,7 @@ pipeline's: hybrid at the plan's s), `static` only the plans' own pages; `MODE:P
 (mode dynamic or hybrid, proxy query, es-in, es-mid or es-mix) chooses pages per layer from the
 draft's query within --access-budget of the prompt (`plan`: each plan's own s, matched budgets),
 against the same full-context run. --accept greedy,top3 runs every policy under each rule. es-mix
-needs --mix FILE (`kapc calibrate-proxy`). --overlap also scores every proxy's choice against
+needs --mix FILE (`kapc calibrate proxy`). --overlap also scores every proxy's choice against
 the true query's (costs time: leave it off when timing).
 """
 

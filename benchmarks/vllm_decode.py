@@ -185,7 +185,9 @@ def build_cases(
         from kapc.profile import find_profile
 
         if find_profile("vllm-cpu", ctx.assets.fingerprint) is None:
-            raise SystemExit("--auto needs a vllm-cpu calibration profile: run kapc calibrate")
+            raise SystemExit(
+                "--auto needs a vllm-cpu calibration profile: run kapc calibrate measure"
+            )
     out = {}
     for c in contexts:
         rows = []

@@ -14,6 +14,7 @@ import typer
 from kapc import settings
 from kapc.errors import KapcError
 from kapc.models import DEFAULT_MODEL
+from kapc.options import BlockSizeOpt, ModelOpt
 from kapc.policy import MAX_AUTO_K
 
 app = typer.Typer(
@@ -26,13 +27,16 @@ schema_app = typer.Typer(no_args_is_help=True, help="Print JSON Schemas of kapc'
 app.add_typer(schema_app, name="schema")
 
 
-def _mount_frontend() -> None:
-    from kapc.frontend.cli import prior_app  # typer only at import; models load inside commands
+def _mount_groups() -> None:
+    # typer only at import; models and engines load inside the commands
+    from kapc.calibrate_cli import calibrate_app
+    from kapc.frontend.cli import prior_app
 
     app.add_typer(prior_app, name="prior")
+    app.add_typer(calibrate_app, name="calibrate")
 
 
-_mount_frontend()
+_mount_groups()
 
 PassesOpt = Annotated[
     str | None,
@@ -40,20 +44,6 @@ PassesOpt = Annotated[
         "--passes",
         help="Pipeline, e.g. 'ground,align-spans,select{budget-tokens=1024},"
         "resolve-pages,compact' (default: the default pipeline, less what an input .kap already ran).",
-    ),
-]
-ModelOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--model",
-        help="A model's name (smollm2-135m-instruct, the default; "
-        "qwen2.5-coder-0.5b-instruct; `kapc models` lists them) or a local Hugging Face folder.",
-    ),
-]
-BlockSizeOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--block-size", help="The target engine's KV block size (sets resolve-pages' block-size)."
     ),
 ]
 EngineOpt = Annotated[
@@ -364,206 +354,6 @@ def serve(
     code = run_server(cmd, echo=lambda line: typer.echo(line, err=True))
     if code:
         raise typer.Exit(code)
-
-
-@app.command()
-def calibrate(
-    engine: Annotated[
-        str, typer.Option(help="vllm (vllm-cpu here, vllm-gpu on a GPU) or reference.")
-    ] = "vllm",
-    contexts: Annotated[
-        str, typer.Option(help="Context lengths to time, comma-separated.")
-    ] = "2048,4096,7936",
-    batches: Annotated[
-        str, typer.Option(help="Batch sizes to time, comma-separated.")
-    ] = "1,4,8,16",
-    steps: Annotated[int, typer.Option(help="Decode steps (or cycles) timed per point.")] = 16,
-    acceptance_questions: Annotated[
-        int,
-        typer.Option(
-            help="HotpotQA calibration questions (dev 1000 on) for the acceptance model; 0: none."
-        ),
-    ] = 8,
-    acceptance_contexts: Annotated[
-        str,
-        typer.Option(
-            help="Context lengths the acceptance model is measured at, comma-separated (two 1.5x "
-            "apart or more fit how acceptance changes with length)."
-        ),
-    ] = "4096,7936",
-    block_size: BlockSizeOpt = None,
-    model: ModelOpt = None,
-    dtype: Annotated[
-        str | None,
-        typer.Option(help="float32, bfloat16, ... (default: float32 on CPU, bfloat16 on a GPU)."),
-    ] = None,
-    device: Annotated[str, typer.Option(help="reference engine: cpu or cuda.")] = "cpu",
-    threads: Annotated[
-        int | None, typer.Option(help="reference engine: torch threads (default: torch's).")
-    ] = None,
-    quick: Annotated[
-        bool, typer.Option(help="A small grid (2K/4K, batch 1/4, 8 steps, 2 questions).")
-    ] = False,
-    resume: Annotated[bool, typer.Option(help="Continue an interrupted calibration.")] = True,
-    only: Annotated[
-        str | None,
-        typer.Option(
-            help="Measure only these kinds of point again (comma-separated: plain, resting, cycle, "
-            "select, tolerant, acceptance; cycle times resting steps too), keeping the rest "
-            "of this engine's profile."
-        ),
-    ] = None,
-    show: Annotated[
-        bool, typer.Option(help="Print the profiles found (or --profile) and exit.")
-    ] = False,
-    refit: Annotated[
-        bool,
-        typer.Option(
-            help="Fit the step models of the profiles found (or --profile) again from their own "
-            "samples, as this kapc fits them, and exit: measures nothing."
-        ),
-    ] = False,
-    profile: Annotated[
-        Path | None, typer.Option(help="With --show or --refit: this profile file.")
-    ] = None,
-    plot: Annotated[
-        Path | None, typer.Option(help="Write measured-against-fitted step times as PNG.")
-    ] = None,
-    output: Annotated[
-        Path | None,
-        typer.Option("-o", "--output", help="Where to write the profile (default: the cache)."),
-    ] = None,
-) -> None:
-    """Time decode steps on this machine and fit the cost model the compiler predicts with."""
-    from kapc.profile import load_profile, profiles_dir
-    from kapc.runtime.calibrate import MEASURES, Grid
-    from kapc.runtime.calibrate import calibrate as run
-    from kapc.runtime.calibrate import plot as plot_profile
-    from kapc.runtime.calibrate import show as show_profile
-
-    kinds = tuple(x.strip() for x in only.split(",") if x.strip()) if only is not None else MEASURES
-    if not kinds or any(k not in MEASURES for k in kinds):
-        raise KapcError(f"--only takes {', '.join(MEASURES)} (comma-separated), not {only!r}")
-    if show or refit:
-        from kapc.profile import refitted, save_profile
-
-        files = [profile] if profile else sorted(profiles_dir().glob("*.json"))
-        if not files:
-            raise KapcError(f"no profiles in {profiles_dir()}; run kapc calibrate")
-        for f in files:
-            p = load_profile(f)
-            if refit:
-                p = refitted(p)
-                save_profile(p, f)
-            typer.echo(f"{f}{' (fitted again)' if refit else ''}\n{show_profile(p)}\n")
-            if plot:
-                typer.echo(f"plot: {plot_profile(p, plot)}")
-        return
-    if plot:
-        from kapc.files import check_output
-
-        check_output(plot, "--plot")
-    ints = lambda text, what: tuple(int(x) for x in text.split(",") if x.strip())  # noqa: E731
-    try:
-        grid = Grid(
-            contexts=ints(contexts, "contexts"),
-            batches=ints(batches, "batches"),
-            steps=steps,
-            acceptance_questions=acceptance_questions,
-            acceptance_contexts=ints(acceptance_contexts, "acceptance-contexts"),
-        )
-    except ValueError:
-        raise KapcError(
-            "--contexts, --batches and --acceptance-contexts are comma-separated integers"
-        ) from None
-    if quick:
-        grid = Grid(
-            contexts=(2048, 4096),
-            batches=(1, 4),
-            steps=8,
-            acceptance_questions=2,
-            pairs=((0.1, 3), (0.3, 5)),
-            tolerant_pairs=((0.1, 3), (0.3, 5)),
-            budgets=(0.1, 0.3),
-            acceptance_tokens=48,
-        )
-    if engine == "reference":
-        from kapc.runtime.calibrate import ReferenceBench
-        from kapc.runtime.model import load_model
-
-        bench = ReferenceBench(
-            block_size=block_size or 16,
-            max_context=grid.longest,
-            max_batch=max(grid.batches),
-            threads=threads,
-            model=load_model(model, device=device, dtype=dtype),
-        )
-    elif engine in ("vllm", "vllm-cpu", "vllm-gpu"):
-        from kapc.runtime.vllm.calibrate import VllmBench
-
-        bench = VllmBench(
-            block_size=block_size or 32,
-            max_context=grid.longest,
-            max_batch=max(grid.batches + (len(grid.budgets),)),
-            dtype=dtype,
-            model_dir=model,
-        )
-    else:
-        raise KapcError(f"--engine must be vllm or reference, not {engine!r}")
-    base = None
-    if only is not None:
-        from kapc.profile import find_profile
-
-        base = find_profile(bench.engine, bench.fingerprint)
-        if base is None:
-            raise KapcError(
-                f"--only: no {bench.engine} profile for this model yet; run kapc calibrate first"
-            )
-    prof, path = run(bench, grid, resume=resume, out=output, base=base, only=kinds)
-    typer.echo(show_profile(prof))
-    typer.echo(f"kapc: profile written to {path}", err=True)
-    if plot:
-        typer.echo(f"kapc: plot written to {plot_profile(prof, plot)}", err=True)
-
-
-@app.command("calibrate-proxy")
-def calibrate_proxy_cmd(
-    output: Annotated[
-        Path, typer.Option("-o", "--output", help="Where to write the calibration (JSON).")
-    ],
-    questions: Annotated[
-        int, typer.Option(help="HotpotQA calibration questions (dev 1000 on).")
-    ] = 4,
-    context: Annotated[int, typer.Option(help="Prompt length in tokens.")] = 4096,
-    budget: Annotated[
-        float, typer.Option(help="Retained ratio the dynamic choice may read.")
-    ] = 0.15,
-    tokens: Annotated[int, typer.Option(help="Tokens decoded per question.")] = 32,
-    block_size: BlockSizeOpt = None,
-    model: ModelOpt = None,
-) -> None:
-    """Measure which EarlySelectKV proxy picks each layer's pages best, for compact{proxy=es-mix}."""
-    from kapc.files import check_output
-    from kapc.proxy_mix import save_mix
-    from kapc.runtime.model import load_model
-    from kapc.runtime.proxy_calibration import calibrate_proxy
-
-    check_output(output, "--output")
-    if not 0.0 < budget <= 1.0 or questions < 1 or tokens < 2:
-        raise KapcError("--budget lies in (0, 1]; --questions is at least 1, --tokens at least 2")
-    mix = calibrate_proxy(
-        load_model(model),
-        questions=questions,
-        context=context,
-        budget=budget,
-        tokens=tokens,
-        block_size=block_size or 16,
-        progress=lambda msg: typer.echo(f"kapc: {msg}", err=True),
-    )
-    typer.echo("layer  es-in  es-mid  choice")
-    for i, (a, b, c) in enumerate(zip(mix.overlap_in, mix.overlap_mid, mix.mix)):
-        typer.echo(f"{i:>5}  {a:.3f}  {b:.3f}   {c}")
-    typer.echo(f"kapc: proxy calibration written to {save_mix(mix, output)}", err=True)
 
 
 @app.command()

@@ -85,7 +85,7 @@ def unmeasured_gain(cost) -> str | None:
     return (
         f"the predicted {cost.speedup:.2f}x is the paper's memory-bound model, not a "
         "measurement: on CPUs it predicts gains where plans decode slower than full context "
-        "(docs/cost-model.md). Run `kapc calibrate` once on this machine and compile with "
+        "(docs/cost-model.md). Run `kapc calibrate measure` once on this machine and compile with "
         "--engine, so the plan predicts from measured step times and the vLLM hook decides "
         "each step from them"
     )

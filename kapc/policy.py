@@ -136,21 +136,27 @@ def profiled_speedup(
     (`chooses_pages`), the cycle's page choice."""
     plain = unplanned_step(profile, batch, context)
     draft = profile.seconds("draft", batch, max(1.0, s * context))
-    propose = profile.seconds("propose", batch, context) if "propose" in profile.fits else 0.0
+    propose = (
+        profile.seconds("propose", batch, context, query=k + 1)
+        if "propose" in profile.fits
+        else 0.0
+    )
     verify = profile.seconds(verify_kind(profile, tolerant), batch, context, query=k + 1)
-    choose = page_choice(profile, batch if chooses_pages else 0, batch * context)
+    choose = page_choice(profile, batch if chooses_pages else 0, batch * context, k + 1)
     return tokens_per_cycle(p, k) * plain / (k * draft + propose + choose + verify)
 
 
-def page_choice(profile, rows: int, tokens: float) -> float:
+def page_choice(profile, rows: int, tokens: float, steps: int) -> float:
     """Seconds one cycle spends choosing the pages of `rows` query-aware rows whose prompts hold
-    `tokens` tokens together: scoring every prompt block against each layer's query and writing
-    the choice into the block table. 0 for no such rows, or a profile that never measured it
-    (`kapc calibrate --only select` adds it). Calibrated at 22 to 44 ms a cycle on a 2-core CPU
+    `tokens` tokens together, in a cycle of `steps` - 1 draft steps (the longest row's k + 1):
+    scoring every prompt block against each layer's query once, and writing the choice into the
+    block table at every draft step. 0 for no such rows, or a profile that never measured it
+    (`kapc calibrate measure --only select` adds it). Calibrated at 22 to 44 ms a cycle on a 2-core CPU
     (2K-8K x 1-8), where a draft forward is 80 to 140 ms, so a plan's sign can hang on it."""
     if rows == 0 or "select" not in profile.fits:
         return 0.0
-    return profile.seconds_of("select", {"1": 1.0, "B": float(rows), "BV": float(tokens)})
+    values = {"1": 1.0, "B": float(rows), "BV": float(tokens), "q": float(steps)}
+    return profile.seconds_of("select", values)
 
 
 def plan_speedup(
@@ -353,13 +359,21 @@ def step_cost(profile, rows: list[DraftRow], others: list[int]) -> float:
     for j in range(max(r.k for r in drafting)):  # draft step j runs the rows still drafting
         live = [r for r in drafting if r.k > j]
         draft += profile.seconds("draft", len(live), sum(r.s * r.context for r in live) / len(live))
-    propose = profile.seconds("propose", len(drafting), 0) if "propose" in profile.fits else 0.0
+    propose = 0.0
+    if "propose" in profile.fits:
+        work = {"1": 1.0, "B": float(len(drafting)), "q": float(max(r.k + 1 for r in drafting))}
+        propose = profile.seconds_of("propose", work)
     choosing = [r for r in drafting if r.chooses_pages]
     return (
         verify
         + draft
         + propose
-        + page_choice(profile, len(choosing), sum(r.context for r in choosing))
+        + page_choice(
+            profile,
+            len(choosing),
+            sum(r.context for r in choosing),
+            max((r.k + 1 for r in choosing), default=1),
+        )
     )
 
 

@@ -8,20 +8,23 @@ A profile holds the measured samples and, per kind of step, a small linear model
     plain   a step of the engine users would otherwise run, 1 query token per row    1, B, B*V, √B*V
     resting a step of kapc's engine with no drafts (a plan that fell back)            1, B, B*V, √B*V
     draft   one draft forward, 1 query token per row over V visible tokens            1, B, B*V
-    propose the proposer's own work per step besides its forwards (metadata, Python)   1, B
-    select  one cycle's query-aware page choice for B rows of V prompt tokens          1, B, B*V
+    propose the proposer's own work per step besides its forwards (metadata, Python)   1, B, q
+    select  one cycle's query-aware page choice for B rows of V prompt tokens          1, B, B*V, q
     verify  one verification step, q = k+1 query tokens per row over V tokens         1, B, B*q, B*V, B*q*V
     verify_tolerant   the same, rows accepting top-N drafts (a top-N over the vocabulary per
                       draft position, before vLLM's rejection sampler)              as verify
 
-with B the batch (rows), V the tokens each row attends to and q its query tokens. The features
+with B the batch (rows), V the tokens each row attends to and q its query tokens (for propose
+and select, q alone is the cycle's longest k+1: both do work at every draft step whatever the
+batch, rewriting the chosen pages into the block table each step, for one; measured at 14-21 ms
+a cycle at k=1 and 36-40 ms at k=8, at batch 1 to 8). The features
 are what a decode step does (a fixed cost, per-row work, per-token MLP work, reading KV, and
 attention compute per query token); coefficients are fitted non-negative on relative error, so
 interpolating between measured points stays sensible. Decode steps without drafts also get
 √B*V, reading KV at a cost per row that falls as rows are added: on the 2-core CPU a resting
 step at 8K took 28 ms more a row from batch 1 to 4 and 20 ms more from 4 to 8, which B*V alone
 fitted 6% low at 8K x 4 and 6% high at 8K x 8. `kapc calibrate` writes profiles,
-`kapc calibrate --show` prints them, and `kapc.policy` turns them into predicted speedups.
+`kapc calibrate show` prints them, and `kapc.policy` turns them into predicted speedups.
 
 Acceptance is a property of the model, the plan and the acceptance rule, not the engine: per rule,
 `AcceptanceFit` maps a plan's retained ratio s to p, the probability that a draft is accepted
@@ -47,8 +50,8 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "plain": ("1", "B", "BV", "sqrtBV"),
     "resting": ("1", "B", "BV", "sqrtBV"),
     "draft": ("1", "B", "BV"),
-    "propose": ("1", "B"),
-    "select": ("1", "B", "BV"),
+    "propose": ("1", "B", "q"),
+    "select": ("1", "B", "BV", "q"),
     "verify": ("1", "B", "Bq", "BV", "BqV"),
     "verify_tolerant": ("1", "B", "Bq", "BV", "BqV"),
 }
@@ -71,6 +74,10 @@ class StepFit(msgspec.Struct, frozen=True, kw_only=True):
     coef: tuple[float, ...]
     rel_error: float  # root-mean-square relative error on the samples it was fitted to
     samples: int
+    # root-mean-square relative error of each sample forecast by a fit to the others (leave one
+    # out): what to expect of a step between or beside the measured ones; None where too few
+    # samples were measured to leave one out
+    forecast_error: float | None = None
 
 
 class AcceptanceFit(msgspec.Struct, frozen=True, kw_only=True):
@@ -162,10 +169,12 @@ def acceptance_key(rule: str, mode: str = "static") -> str:
 def feature_values(batch: float, query: float, visible: float) -> dict[str, float]:
     """The step-time features of `batch` rows of `query` tokens over `visible` context tokens:
     each is a sum over rows (B rows, B*q query tokens, B*V context tokens, B*q*V) but sqrtBV,
-    √B*V (KV read at a per-row cost that falls with the batch)."""
+    √B*V (KV read at a per-row cost that falls with the batch), and q, the query tokens of the
+    longest row (a cycle's draft steps, plus one)."""
     return {
         "1": 1.0,
         "B": batch,
+        "q": query,
         "Bq": batch * query,
         "BV": batch * visible,
         "BqV": batch * query * visible,
@@ -180,6 +189,7 @@ def rows_features(queries, contexts) -> dict[str, float]:
     return {
         "1": 1.0,
         "B": float(B),
+        "q": float(max(queries, default=0)),
         "Bq": float(sum(queries)),
         "BV": V,
         "BqV": float(sum(q * v for q, v in zip(queries, contexts))),
@@ -202,25 +212,52 @@ def _features(names, batch: float, query: float, visible: float) -> np.ndarray:
     return np.array([values[n] for n in names], dtype=np.float64)
 
 
-def fit_steps(samples: list[StepSample]) -> dict[str, StepFit]:
-    """One non-negative least-squares model per step kind, on relative error."""
+def _fit(rows: list[StepSample], names: tuple[str, ...]) -> np.ndarray:
+    """Non-negative least squares on relative error: the coefficients of `names`."""
     from scipy.optimize import nnls
 
+    X = np.stack([_features(names, s.batch, s.query, s.visible) for s in rows])
+    y = np.array([s.seconds for s in rows])
+    # scale the columns so that nnls sees comparable magnitudes, fit y/y = 1
+    scale = X.max(axis=0)
+    scale[scale == 0] = 1.0
+    coef, _ = nnls((X / scale) / y[:, None], np.ones_like(y))
+    return coef / scale
+
+
+def _rms_relative(coef: np.ndarray, rows: list[StepSample], names: tuple[str, ...]) -> float:
+    errs = [
+        (float(_features(names, s.batch, s.query, s.visible) @ coef) - s.seconds) / s.seconds
+        for s in rows
+    ]
+    return float(np.sqrt(np.mean(np.square(errs))))
+
+
+def fit_steps(samples: list[StepSample]) -> dict[str, StepFit]:
+    """One non-negative least-squares model per step kind, on relative error, with its
+    leave-one-out forecast error where there are samples to spare."""
     fits = {}
     for kind, names in FEATURES.items():
         rows = [s for s in samples if s.kind == kind and s.seconds > 0]
+        if all(s.query == 1 for s in rows):  # samples that never varied q cannot price it
+            names = tuple(n for n in names if n not in ("q", "Bq", "BqV"))
         if len(rows) < len(names):
             continue
-        X = np.stack([_features(names, s.batch, s.query, s.visible) for s in rows])
-        y = np.array([s.seconds for s in rows])
-        # scale the columns so that nnls sees comparable magnitudes, fit y/y = 1
-        scale = X.max(axis=0)
-        scale[scale == 0] = 1.0
-        coef, _ = nnls((X / scale) / y[:, None], np.ones_like(y))
-        coef = coef / scale
-        rel = float(np.sqrt(np.mean(((X @ coef) - y) ** 2 / y**2)))
+        coef = _fit(rows, names)
+        held_out = None
+        if len(rows) > len(names):
+            held_out = [
+                _rms_relative(_fit(rows[:i] + rows[i + 1 :], names), [rows[i]], names)
+                for i in range(len(rows))
+            ]
         fits[kind] = StepFit(
-            features=names, coef=tuple(float(c) for c in coef), rel_error=rel, samples=len(rows)
+            features=names,
+            coef=tuple(float(c) for c in coef),
+            rel_error=_rms_relative(coef, rows, names),
+            samples=len(rows),
+            forecast_error=None
+            if held_out is None
+            else float(np.sqrt(np.mean(np.square(held_out)))),
         )
     return fits
 
@@ -290,7 +327,7 @@ def load_profile(path: str | Path) -> Profile:
     if profile.version != PROFILE_VERSION:
         raise ProfileError(
             f"{path}: profile version {profile.version}, this kapc reads "
-            f"{PROFILE_VERSION}; run kapc calibrate again"
+            f"{PROFILE_VERSION}; run kapc calibrate measure again"
         )
     return profile
 

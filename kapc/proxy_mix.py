@@ -2,7 +2,7 @@
 
 EarlySelectKV builds layer l's query one layer early from layer l-1's input (ES-In) or from its
 post-attention state (ES-Mid); which is closer to the true query differs by layer. A calibration
-(`kapc calibrate-proxy`, on HotpotQA questions the benchmarks do not use) measures, per layer, the
+(`kapc calibrate proxy`, on HotpotQA questions the benchmarks do not use) measures, per layer, the
 overlap between the pages each proxy chooses and the pages the true query chooses, and keeps the
 better one. The file is small JSON; `compact{proxy=es-mix,mix=FILE}` copies its per-layer choice
 into the plan (so a runtime never needs the file) and records its digest.
@@ -63,7 +63,7 @@ def load_mix(path: str | Path) -> ProxyMix:
     if mix.version != MIX_VERSION:
         raise ProxyMixError(
             f"{path}: proxy calibration version {mix.version}, this kapc reads "
-            f"{MIX_VERSION}; run kapc calibrate-proxy again"
+            f"{MIX_VERSION}; run kapc calibrate proxy again"
         )
     n = len(mix.mix)
     if (

@@ -71,7 +71,7 @@ class Compact(Pass):
     # plan's own, so that s still falls as the context grows around the same evidence
     access_budget: float | str = "plan"
     proxy: str = "query"  # query, es-in, es-mid or es-mix
-    mix: str = ""  # es-mix: the calibration file (`kapc calibrate-proxy`)
+    mix: str = ""  # es-mix: the calibration file (`kapc calibrate proxy`)
 
     def option_problem(self) -> str | None:
         if self.k != "auto" and not (isinstance(self.k, int) and 1 <= self.k <= MAX_K):
@@ -90,7 +90,7 @@ class Compact(Pass):
         if not 1 <= self.acceptance_window <= 1_000_000:
             return f"acceptance-window must be within 1..1000000, not {self.acceptance_window}"
         if self.proxy == "es-mix" and not self.mix:
-            return "proxy=es-mix needs mix=FILE (a proxy calibration, `kapc calibrate-proxy`)"
+            return "proxy=es-mix needs mix=FILE (a proxy calibration, `kapc calibrate proxy`)"
         if isinstance(self.access_budget, str) and self.access_budget != "plan":
             return f"access-budget must be a ratio or plan, not {excerpt(self.access_budget)}"
         budget = 0.5 if isinstance(self.access_budget, str) else self.access_budget

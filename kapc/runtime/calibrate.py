@@ -16,8 +16,8 @@ each prompt per engine serves every point. Then, on a calibration split of Hotpo
 questions 1000 and on, never the ones benchmarks report), real compiled plans at several budgets
 and context lengths measure the per-draft acceptance p against s and L (`AcceptanceFit`).
 
-Each point is appended to `<profiles>/<key>.partial.jsonl` as it is measured, so an interrupted
-run resumes where it stopped. Engines are in `Bench` classes: `kapc.runtime.vllm.calibrate.
+Each point is appended to `<profiles>/<key>.partial.jsonl` (or beside `-o FILE`) as it is
+measured, so an interrupted run resumes where it stopped. Engines are in `Bench` classes: `kapc.runtime.vllm.calibrate.
 VllmBench` and `ReferenceBench` here.
 """
 
@@ -35,6 +35,7 @@ import numpy as np
 from kapc.profile import (
     FEATURES,
     Profile,
+    ProfileError,
     StepSample,
     acceptance_key,
     fit_acceptance,
@@ -52,6 +53,15 @@ CALIBRATION_QUESTIONS = 1000  # first HotpotQA dev index of the calibration spli
 class Grid:
     contexts: tuple[int, ...] = (2048, 4096, 7936)
     batches: tuple[int, ...] = (1, 4, 8, 16)
+    # (context, batch) cells to time instead of every context x batch: the step models are linear
+    # in their features, so a few cells far apart pin them down, and prefilling a row's prompt
+    # (about a minute and a half at 8K on a 2-core CPU) is most of what a measurement costs, so
+    # the long contexts get few rows
+    cells: tuple[tuple[int, int], ...] = ()
+    # time plain steps on the engine users would otherwise run (a second engine, and a second
+    # prefill of every row): `show` compares kapc's resting steps with them; plans are priced
+    # against resting steps, so a profile without them loses nothing the policy reads
+    plain: bool = True
     # q up to MAX_AUTO_K + 1, so that k=auto never chooses past what was timed
     pairs: tuple[tuple[float, int], ...] = ((0.05, 2), (0.1, 3), (0.2, 5), (0.4, 9))
     # the pages the timed cycles' drafts read: the compiler's default access policy, so that a
@@ -81,26 +91,71 @@ class Grid:
         baseline engine, then kapc's engine (resting steps and cycles), longest context first
         (its prefill puts every shorter prefix in the cache)."""
         pts = []
-        for L in sorted(self.contexts, reverse=True):
-            for B in self.batches:
-                pts.append(("plain", L, B, 0.0, 1))
-        for L in sorted(self.contexts, reverse=True):
-            for B in self.batches:
-                pts.append(("resting", L, B, 0.0, 1))
-                for s, q in self.pairs:
-                    pts.append(("cycle", L, B, s, q))
-                if self.select_pair:
-                    pts.append(("select", L, B) + tuple(self.select_pair))
-                for s, q in self.tolerant_pairs:
-                    pts.append(("tolerant", L, B, s, q))
+        if self.plain:
+            pts += [("plain", L, B, 0.0, 1) for L, B in self.timed_cells()]
+        for L, B in self.timed_cells():
+            pts.append(("resting", L, B, 0.0, 1))
+            for s, q in self.pairs:
+                pts.append(("cycle", L, B, s, q))
+            if self.select_pair:
+                pts.append(("select", L, B) + tuple(self.select_pair))
+            for s, q in self.tolerant_pairs:
+                pts.append(("tolerant", L, B, s, q))
         if self.acceptance_questions:
             for L in self.acceptance_contexts:
                 pts.append(("acceptance", L, len(self.budgets), 0.0, 0))
         return pts
 
+    def timed_cells(self) -> list[tuple[int, int]]:
+        """The (context, batch) cells timed, longest context first (its prefill puts every
+        shorter prefix of the same rows in the cache)."""
+        cells = self.cells or tuple((L, B) for L in self.contexts for B in self.batches)
+        return sorted(cells, key=lambda c: (-c[0], c[1]))
+
     @property
     def longest(self) -> int:
-        return max(self.contexts + (self.acceptance_contexts if self.acceptance_questions else ()))
+        timed = tuple(L for L, _ in self.timed_cells())
+        return max(timed + (self.acceptance_contexts if self.acceptance_questions else ()))
+
+    @property
+    def widest(self) -> int:
+        """The most rows a step is timed with (an acceptance run has one per budget)."""
+        timed = tuple(B for _, B in self.timed_cells())
+        return max(timed + ((len(self.budgets),) if self.acceptance_questions else ()))
+
+
+# `kapc calibrate measure --grid`. `default` times five cells that pin every step model down
+# (batch 1 at 1K and 6K for the per-token terms, batches 2, 4 and 8 for the per-row ones, the
+# shortest and longest drafts for the per-query-token ones) and leaves the rest to the fits,
+# whose leave-one-out error `show` reports: prefill, not the steps, is what a measurement costs
+# (5 s for a 1K prompt, 104 s for an 8K one on a 2-core CPU), so the long contexts get one row.
+# `full` is every context x batch, on both engines.
+GRIDS = {
+    "quick": Grid(
+        contexts=(2048, 4096),
+        batches=(1, 4),
+        steps=8,
+        acceptance_questions=2,
+        pairs=((0.1, 3), (0.3, 5)),
+        tolerant_pairs=((0.1, 3), (0.3, 5)),
+        budgets=(0.1, 0.3),
+        acceptance_tokens=48,
+    ),
+    "default": Grid(
+        contexts=(1024, 2048, 4096, 6144),
+        batches=(1, 2, 4, 8),
+        cells=((6144, 1), (4096, 2), (2048, 4), (1024, 1), (1024, 8)),
+        plain=False,
+        pairs=((0.05, 2), (0.4, 9)),
+        select_pair=None,  # the cycles draft on hybrid pages, so each times page choice
+        tolerant_pairs=((0.1, 3), (0.2, 5)),
+        steps=8,
+        acceptance_questions=2,
+        acceptance_contexts=(2048, 4096),
+        acceptance_tokens=48,
+    ),
+    "full": Grid(),
+}
 
 
 @dataclass
@@ -193,16 +248,16 @@ def measure_point(bench, grid: Grid, point: tuple) -> tuple[list[StepSample], di
         # into every forecast (8K x 8: fitted at 264 ms, run at 236 an hour after the cycles)
         rest = bench.resting(L, B, grid.steps) if grid.rest_beside_cycles else None
         c = bench.cycle(L, B, s, q, grid.steps, access=grid.draft_access)
-        chose = [StepSample("select", B, 1, L, c.select)] if c.select > 0 else []
+        chose = [StepSample("select", B, q, L, c.select)] if c.select > 0 else []
         rested = [StepSample("resting", B, 1, L, rest)] if rest is not None else []
         return [
             StepSample("draft", B, 1, max(1, round(s * L)), c.draft),
-            StepSample("propose", B, 1, L, c.propose),
+            StepSample("propose", B, q, L, c.propose),
             StepSample("verify", B, q, L, c.verify),
         ] + chose + rested, None
     if kind == "select":
         c = bench.cycle(L, B, s, q, grid.steps, access="hybrid")
-        return [StepSample("select", B, 1, L, c.select)], None
+        return [StepSample("select", B, q, L, c.select)], None
     if kind == "tolerant":
         c = bench.cycle(L, B, s, q, grid.steps, accept=grid.tolerant_rule)
         return [StepSample("verify_tolerant", B, q, L, c.verify)], None
@@ -226,11 +281,13 @@ def calibrate(
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     key = profile_key(bench.engine, bench.fingerprint, bench.dtype, bench.device, bench.threads)
-    part = Partial.open(profiles_dir() / f"{key}.partial.jsonl", resume)
+    # beside the profile it will become, so that measurements written elsewhere never share one
+    partial = Path(out).with_suffix("") if out else profiles_dir() / key
+    part = Partial.open(partial.parent / f"{partial.name}.partial.jsonl", resume)
     todo = [
         p for p in grid.points() if tuple(p) not in part.done and (base is None or p[0] in only)
     ]
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True, highlight=False)  # a log gets whole lines
     if len(todo) < len(grid.points()) and base is None:
         console.print(
             f"kapc calibrate: resuming {key}: {len(grid.points()) - len(todo)} of "
@@ -242,6 +299,9 @@ def calibrate(
         TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(),
     )
+    if any(p[0] == "acceptance" for p in todo) and hasattr(bench, "prepare"):
+        console.print("kapc calibrate: compiling the acceptance plans (HotpotQA calibration split)")
+        bench.prepare(grid)
     with Progress(*columns, console=console, disable=not progress) as bar:
         task = bar.add_task("calibrating", total=len(todo))
         for j, point in enumerate(todo, start=1):
@@ -623,9 +683,10 @@ def show(profile: Profile) -> str:
             for f, c in zip(fit.features, fit.coef)
             if c > 0
         )
+        held = "-" if fit.forecast_error is None else f"{fit.forecast_error:.1%}"
         lines.append(
-            f"  {kind:15} {fit.samples:3d} samples, rms rel. error {fit.rel_error:.1%}: "
-            f"{terms or '0'}"
+            f"  {kind:15} {fit.samples:3d} samples, rms rel. error {fit.rel_error:.1%} "
+            f"(left out: {held}): {terms or '0'}"
         )
     lines.append(f"  {'kind':15} {'B':>3} {'q':>2} {'visible':>7} {'measured':>10} {'fitted':>10}")
     for smp in profile.samples:
@@ -646,6 +707,33 @@ def show(profile: Profile) -> str:
             f"{a.p(0.1, 8192):.2f}; measured {pts}"
         )
     lines += pays_from_table(profile)
+    return "\n".join(lines)
+
+
+def forecast_check(profile: Profile, measured: Profile, against: str = "") -> str:
+    """How well `profile`'s step models forecast the steps another profile of the same engine,
+    model and machine measured (say, at contexts and batches `profile` never timed): per kind,
+    the rms and the worst relative error."""
+    if measured.key != profile.key:
+        raise ProfileError(
+            f"{against or 'the other profile'} is {measured.key}, not {profile.key}: a forecast "
+            "is checked against the same engine, model, dtype and machine"
+        )
+    lines = [f"  forecast of the steps {against or 'the other profile'} measured:"]
+    for kind in profile.fits:
+        rows = [x for x in measured.samples if x.kind == kind and x.seconds > 0]
+        if not rows:
+            continue
+        errs = [
+            (profile.seconds(kind, x.batch, x.visible, x.query) - x.seconds) / x.seconds
+            for x in rows
+        ]
+        worst = max(range(len(errs)), key=lambda i: abs(errs[i]))
+        w = rows[worst]
+        lines.append(
+            f"  {kind:15} {len(rows):3d} steps, rms error {np.sqrt(np.mean(np.square(errs))):.1%}, "
+            f"worst {errs[worst]:+.1%} (B={w.batch} q={w.query} visible={w.visible})"
+        )
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""`kapc calibrate-proxy`: measure, per layer, how well each EarlySelectKV proxy query (ES-In,
+"""`kapc calibrate proxy`: measure, per layer, how well each EarlySelectKV proxy query (ES-In,
 ES-Mid) picks the pages the true query would, and write the ES-Mix choice (kapc.proxy_mix).
 
 It decodes HotpotQA calibration questions (dev 1000 on: the benchmarks use 0..999) with a dynamic

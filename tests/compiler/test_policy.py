@@ -613,6 +613,108 @@ def test_fit_recovers_known_step_times():
     assert fits["resting"].coef == pytest.approx((0.004, 0.0005, 1e-7, 2e-7), rel=1e-4, abs=1e-9)
 
 
+def test_forecast_error_is_what_a_fit_to_the_other_samples_misses():
+    """Leave-one-out: exact where the model is the truth, the size of the noise where it is noisy,
+    large where the model cannot express the times, and None with no sample to spare."""
+    exact = [
+        StepSample("draft", B, 1, V, 0.003 + 0.0002 * B + 1e-7 * B * V)
+        for B in (1, 4, 8)
+        for V in (1000, 8000)
+    ]
+    assert fit_steps(exact)["draft"].forecast_error == pytest.approx(0.0, abs=1e-6)
+    rng = np.random.default_rng(1)
+    noisy = [
+        msgspec.structs.replace(x, seconds=x.seconds * (1 + 0.05 * rng.standard_normal()))
+        for x in exact
+    ]
+    assert 0.02 < fit_steps(noisy)["draft"].forecast_error < 0.3
+    # quadratic in the context, which no feature of a draft is: badly forecast
+    curved = [
+        StepSample("draft", B, 1, V, 1e-11 * B * V * V)
+        for B in (1, 4, 8)
+        for V in (1000, 4000, 8000)
+    ]
+    fit = fit_steps(curved)["draft"]
+    assert fit.forecast_error > fit.rel_error > 0.05
+    just_enough = [
+        StepSample("draft", B, 1, V, 0.001 * B + 1e-7 * V)
+        for B, V in ((1, 1000), (4, 1000), (1, 8000))
+    ]
+    assert fit_steps(just_enough)["draft"].forecast_error is None
+
+
+def test_page_choice_and_proposer_work_are_priced_per_draft_step():
+    """A cycle's page choice scores blocks once but rewrites the block table at every draft step,
+    whatever the batch, and the proposer's own work grows with its drafts too: timed at q = 2, 5
+    and 9 (cycles of 1, 4 and 8 drafts), both are fitted with a q term and priced so; samples
+    that never varied q (profiles measured before) are fitted without it, never with a term they
+    cannot pin."""
+    from kapc.policy import page_choice
+
+    select = [
+        StepSample("select", B, q, V, 0.017 + 0.001 * B + 6e-7 * B * V + 0.003 * q)
+        for B in (1, 4)
+        for V in (2048, 8192)
+        for q in (2, 5, 9)
+    ]
+    propose = [
+        StepSample("propose", B, q, 2048, 0.0003 + 0.0001 * B + 0.0002 * q)
+        for B in (1, 4)
+        for q in (2, 5, 9)
+    ]
+    fits = fit_steps(select + propose)
+    assert fits["select"].features == ("1", "B", "BV", "q")
+    assert fits["propose"].forecast_error == pytest.approx(0.0, abs=1e-6)
+    prof = msgspec.structs.replace(known_profile(), fits={**known_profile().fits, **fits})
+    short, long = (page_choice(prof, 4, 4 * 8192, q) for q in (2, 9))
+    assert long - short == pytest.approx(0.003 * 7, rel=1e-3)
+    old = [msgspec.structs.replace(x, query=1) for x in select]
+    assert fit_steps(old)["select"].features == ("1", "B", "BV")
+
+
+def test_show_against_reports_the_forecast_of_held_out_steps(tmp_path):
+    """`kapc calibrate show P --against Q`: P's forecast of the steps Q measured, per kind; a
+    profile of another engine or model is refused with both keys named."""
+    from typer.testing import CliRunner
+
+    from kapc.cli import app
+
+    truth = lambda B, V: 0.004 + 0.0005 * B + 2e-7 * B * V  # noqa: E731
+    fitted = [StepSample("plain", B, 1, V, truth(B, V)) for B in (1, 8) for V in (2000, 8000)]
+    # the held-out steps run 10% slower than the truth at batch 16
+    held = [StepSample("plain", 16, 1, V, 1.1 * truth(16, V)) for V in (2000, 4000)]
+    base = known_profile()
+    p = save_profile(
+        msgspec.structs.replace(base, samples=tuple(fitted), fits=fit_steps(fitted)),
+        tmp_path / "p.json",
+    )
+    q = save_profile(msgspec.structs.replace(base, samples=tuple(held)), tmp_path / "q.json")
+    r = CliRunner().invoke(app, ["calibrate", "show", str(p), "--against", str(q)])
+    assert r.exit_code == 0, r.output
+    line = next(x for x in r.output.splitlines() if x.strip().startswith("plain") and "worst" in x)
+    assert "2 steps" in line and "worst -9.1%" in line and "B=16" in line
+    other = save_profile(known_profile("sha256:" + "1" * 64), tmp_path / "o.json")
+    r = CliRunner().invoke(app, ["calibrate", "show", str(p), "--against", str(other)])
+    assert r.exit_code != 0 and "same engine, model" in str(r.exception)
+
+
+def test_calibrate_measure_refuses_bad_options_before_starting_anything():
+    from typer.testing import CliRunner
+
+    from kapc.cli import app
+    from kapc.errors import KapcError
+
+    for args, says in (
+        (["--grid", "huge"], "--grid takes quick, default, full"),
+        (["--only", "plain,bogus"], "--only takes"),
+        (["--contexts", "2048,abc"], "--contexts takes positive integers"),
+        (["--batches", "0"], "--batches takes positive integers"),
+        (["--engine", "tgi"], "--engine must be vllm or reference"),
+    ):
+        r = CliRunner().invoke(app, ["calibrate", "measure", *args])
+        assert isinstance(r.exception, KapcError) and says in str(r.exception), (args, r.output)
+
+
 def test_compact_uses_a_profile_and_chooses_k(ctx, tmp_path):
     from kapc.compiler import compile_module
     from tests.conftest import example_priors
@@ -766,7 +868,7 @@ def test_rows_features_of_uniform_rows_are_feature_values():
 
 
 def test_calibrate_refit_fits_a_profiles_own_samples_again(tmp_path):
-    """`kapc calibrate --refit` brings a profile fitted with older features up to this kapc's
+    """`kapc calibrate refit` brings a profile fitted with older features up to this kapc's
     (FEATURES), from the samples it holds, measuring nothing."""
     from typer.testing import CliRunner
 
@@ -788,7 +890,7 @@ def test_calibrate_refit_fits_a_profiles_own_samples_again(tmp_path):
         },
     )
     path = save_profile(old, tmp_path / "p.json")
-    r = CliRunner().invoke(app, ["calibrate", "--refit", "--profile", str(path)])
+    r = CliRunner().invoke(app, ["calibrate", "refit", str(path)])
     assert r.exit_code == 0, r.output
     assert "fitted again" in r.output
     new = load_profile(path)

@@ -176,7 +176,7 @@ def test_choose_keeps_forced_blocks_then_the_best():
 
 
 def test_calibrate_proxy_writes_a_well_formed_mix(model, tmp_path):
-    """`kapc calibrate-proxy` on a tiny grid: per-layer overlaps of both proxies, the better one
+    """`kapc calibrate proxy` on a tiny grid: per-layer overlaps of both proxies, the better one
     chosen per layer, for this model; compact accepts the file."""
     from typer.testing import CliRunner
 
@@ -187,7 +187,8 @@ def test_calibrate_proxy_writes_a_well_formed_mix(model, tmp_path):
     result = CliRunner().invoke(
         app,
         [
-            "calibrate-proxy",
+            "calibrate",
+            "proxy",
             "-o",
             str(out),
             "--questions",

@@ -8,8 +8,16 @@ import json
 
 import pytest
 
-from kapc.profile import load_profile, profile_key, profiles_dir
-from kapc.runtime.calibrate import Grid, ReferenceBench, calibrate, cycle_times, plot, show
+from kapc.profile import load_profile, profile_key
+from kapc.runtime.calibrate import (
+    GRIDS,
+    Grid,
+    ReferenceBench,
+    calibrate,
+    cycle_times,
+    plot,
+    show,
+)
 
 pytestmark = pytest.mark.model
 
@@ -88,7 +96,7 @@ def test_tiny_calibration_gives_a_well_formed_profile(tmp_path, capsys):
     assert profile.key == profile_key(
         "reference", profile.model_fingerprint, profile.dtype, profile.device, profile.threads
     )
-    assert not (profiles_dir() / f"{profile.key}.partial.jsonl").exists()  # done: no partial
+    assert not (tmp_path / "p.partial.jsonl").exists()  # done: no partial beside the profile
     text = show(profile)
     assert "plain" in text and "acceptance greedy" in text
     # where plans start to pay, per batch measured, at each stated s
@@ -105,8 +113,7 @@ def test_tiny_calibration_gives_a_well_formed_profile(tmp_path, capsys):
     # resume: with every point already in the partial file, nothing is measured again, and the
     # attention kernel and draft weights the points were measured with are kept though no
     # engine ran this time
-    partial = profiles_dir() / f"{profile.key}.partial.jsonl"
-    with open(partial, "w") as f:
+    with open(tmp_path / "again.partial.jsonl", "w") as f:
         for point in TINY.points():
             f.write(
                 json.dumps(
@@ -127,7 +134,7 @@ def test_tiny_calibration_gives_a_well_formed_profile(tmp_path, capsys):
 
     # --only select: the page-choice points alone are measured again, the rest is kept, even
     # where an interrupted full run left other points in the partial file
-    with open(partial, "w") as f:
+    with open(tmp_path / "only.partial.jsonl", "w") as f:
         f.write(
             json.dumps({"point": ["plain", 256, 1, 0.0, 1], "samples": [["plain", 1, 1, 256, 9.9]]})
             + "\n"
@@ -162,3 +169,23 @@ def test_cycle_times_read_the_proposer_step_log():
     c = cycle_times(log, rows=2, q=3)
     assert c.verify == pytest.approx(0.5) and c.draft == pytest.approx(0.08)
     assert c.propose == pytest.approx(0.05) and c.select == pytest.approx(0.04)
+
+
+def test_a_grid_of_cells_times_those_cells_longest_first():
+    """The default grid times chosen (context, batch) cells, not every context x batch, and no
+    plain engine; its rows and contexts are what the bench sizes its engine for."""
+    grid = GRIDS["default"]
+    pts = grid.points()
+    cells = sorted({(L, B) for kind, L, B, _, _ in pts if kind != "acceptance"})
+    assert cells == sorted(grid.cells) and not any(p[0] == "plain" for p in pts)
+    timed = [(L, B) for kind, L, B, _, _ in pts if kind == "resting"]
+    assert [L for L, _ in timed] == sorted((L for L, _ in timed), reverse=True)
+    assert grid.longest == max(L for L, _ in grid.cells) and grid.widest == 8
+    # every step model the policy reads has samples to spare for a leave-one-out forecast (the
+    # most features a kind has is 5), and verification is timed at more than one q
+    cycles = [p for p in pts if p[0] == "cycle"]
+    assert len(cycles) > 5 and len({q for *_, q in cycles}) >= 2
+    full = GRIDS["full"]
+    assert {(L, B) for kind, L, B, _, _ in full.points() if kind == "plain"} == {
+        (L, B) for L in full.contexts for B in full.batches
+    }

@@ -705,7 +705,6 @@ def test_query_aware_access_accepts_like_the_reference_executor(engine, cases):
     chooses the same pages per layer, so acceptance agrees (up to cycle boundaries); had vLLM's
     view kept its placeholders (block 0, repeated), it would accept far less."""
     from kapc.policy import AccessPolicy
-    from kapc.runtime.vllm import generate
 
     Executor, Request, load_model = _reference_generate()
     c = cases[1]
@@ -718,17 +717,11 @@ def test_query_aware_access_accepts_like_the_reference_executor(engine, cases):
         honor_predicted_loss=False,
     )
     (want,), _ = ex.generate([Request(c.ids, plan=c.plan, max_tokens=n, access=access)])
-    (r,) = generate(
-        engine,
-        [c.ids],
-        [c.plan],
-        max_tokens=n,
-        honor_predicted_loss=False,
-        min_acceptance=False,
-        access=access,
-    )
+    r = _dynamic_run(engine, c, n)  # the same policy
     assert r["tokens"] == list(want.tokens)[:n]
     assert r["visible_prompt_tokens"] == want.visible_prompt_tokens
+    # the engine found where its cache keeps keys before reading any bound
+    assert engine.llm.collective_rpc(_key_reader) == ["vllm-cpu packed"]
     assert abs(r["acceptance_rate"] - want.acceptance_rate) <= 0.15, (
         r["acceptance_rate"],
         want.acceptance_rate,
@@ -736,7 +729,7 @@ def test_query_aware_access_accepts_like_the_reference_executor(engine, cases):
 
 
 def _check_wrong_key(worker) -> str:
-    """compat.check_key_layout against the engine's real cache, with a key that was never
+    """compat.find_key_reader against the engine's real cache, with a key that was never
     written: it must refuse (else a layout change would go unnoticed)."""
     import torch
 
@@ -746,14 +739,38 @@ def _check_wrong_key(worker) -> str:
     attn = compat.attention_modules(p.vllm_config, p._layout)[0]
     wrong = torch.full((attn.num_kv_heads, attn.head_size), 1234.5)
     try:
-        compat.check_key_layout(p.vllm_config, p._layout, slot=p.block_size + 1, key=wrong)
+        compat.find_key_reader(p.vllm_config, p._layout, slot=p.block_size + 1, key=wrong)
     except compat.UnsupportedAttention as exc:
         return str(exc)
     return ""
 
 
-def _key_layout(worker, value) -> None:
-    worker.model_runner.drafter._key_layout = value
+def _dynamic_run(engine, case, tokens: int = 16) -> dict:
+    """One greedy request of `case` on query-aware pages (dynamic, a quarter of the prompt)."""
+    from kapc.policy import AccessPolicy
+    from kapc.runtime.vllm import generate
+
+    (r,) = generate(
+        engine,
+        [case.ids],
+        [case.plan],
+        max_tokens=tokens,
+        honor_predicted_loss=False,
+        min_acceptance=False,
+        access=AccessPolicy(mode="dynamic", budget=0.25),
+    )
+    return r
+
+
+def _key_layout(worker, value):
+    """Set the proposer's verdict on where keys live; returns the one it had."""
+    p = worker.model_runner.drafter
+    before, p._key_layout = p._key_layout, value
+    return before
+
+
+def _key_reader(worker) -> str:
+    return worker.model_runner.drafter._key_reader
 
 
 def test_unreadable_keys_turn_query_aware_pages_off(engine, cases, baseline):
@@ -761,25 +778,45 @@ def test_unreadable_keys_turn_query_aware_pages_off(engine, cases, baseline):
     found its keys unreadable, dynamic requests run their plans' static pages, say why, and stay
     identical. SIMULATED: a kernel that packs keys differently cannot be caused on this build, so
     the second half sets the proposer's recorded verdict."""
-    from kapc.policy import AccessPolicy
-    from kapc.runtime.vllm import generate
 
     (reason,) = engine.llm.collective_rpc(_check_wrong_key)
-    assert "does not hold keys where kapc reads them" in reason
+    assert "does not hold keys where kapc can read them" in reason
     c = cases[1]
-    engine.llm.collective_rpc(_key_layout, args=("simulated: keys unreadable",))
+    (before,) = engine.llm.collective_rpc(_key_layout, args=("simulated: keys unreadable",))
     try:
-        (r,) = generate(
-            engine,
-            [c.ids],
-            [c.plan],
-            max_tokens=16,
-            honor_predicted_loss=False,
-            min_acceptance=False,
-            access=AccessPolicy(mode="dynamic", budget=0.25),
-        )
+        r = _dynamic_run(engine, c)
     finally:
-        engine.llm.collective_rpc(_key_layout, args=(True,))
+        engine.llm.collective_rpc(_key_layout, args=(before,))
     assert r["access"] == "static" and "keys unreadable" in r["note"]
     assert r["retained_ratio"] == pytest.approx(r["plan_retained_ratio"], abs=0.05)
+    assert r["tokens"] == baseline[1][:16]
+
+
+def _readers(worker, names) -> list[str]:
+    """Leave the engine only the key readers `names` (all of them again for None); returns the
+    names it had."""
+    from kapc.runtime.vllm import compat
+
+    every = compat.__dict__.setdefault("_every_key_reader", dict(compat.KEY_READERS))
+    had = list(compat.KEY_READERS)
+    compat.KEY_READERS.clear()
+    compat.KEY_READERS.update({n: every[n] for n in (names or every)})
+    return had
+
+
+def test_a_cache_no_reader_knows_decodes_on_static_pages(engine, cases, baseline):
+    """The engine checks where its cache keeps keys before it reads a bound, so a cache kapc
+    cannot read (a GPU backend's, to a kapc that only knew vLLM-CPU's) costs query-aware pages,
+    never the engine step. SIMULATED: no GPU cache can be made here, so the engine is left only
+    the GPU backends' reader, which does not fit vLLM-CPU's packed cache."""
+
+    c = cases[1]
+    (before,) = engine.llm.collective_rpc(_key_layout, args=(None,))  # as on a fresh engine
+    engine.llm.collective_rpc(_readers, args=(["vLLM's logical view"],))
+    try:
+        r = _dynamic_run(engine, c)
+    finally:
+        engine.llm.collective_rpc(_readers, args=(None,))
+        engine.llm.collective_rpc(_key_layout, args=(before,))
+    assert r["access"] == "static" and "tried: vLLM's logical view" in r["note"]
     assert r["tokens"] == baseline[1][:16]

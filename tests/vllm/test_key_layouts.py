@@ -1,0 +1,90 @@
+"""Key bounds on every KV cache layout vLLM 0.32 allocates, built on CPU from known keys: vLLM-CPU's
+packed blocks, and the logical [blocks, kv_heads, block_size, 2 * head_dim] view its GPU backends
+(FlashAttention, FlashInfer, Triton, FlexAttention) index, under each physical stride order vLLM
+defines (`vllm.v1.kv_cache_layout.KVCacheLayout`). Each gives the same bounds and the same page
+choice as the keys themselves, the reader is found from one written key before any bound is read,
+and a cache that holds keys nowhere kapc knows is refused with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kapc.runtime import selection
+from kapc.runtime.vllm import compat
+
+pytest.importorskip("vllm")
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
+N, KVH, BS, HD = 6, 2, 4, 8  # blocks, KV heads, block size, head_dim
+
+
+def known_kv():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(N, KVH, BS, HD, generator=g), torch.randn(N, KVH, BS, HD, generator=g)
+
+
+def cpu_packed(keys, values):
+    """vLLM-CPU's cache: per block and head, keys head_dim-major, then values, behind the shape
+    [blocks, kv_heads, block_size, 2 * head_dim]."""
+    packed = torch.stack([keys.transpose(2, 3), values.transpose(2, 3)], dim=2).contiguous()
+    return packed.view(N, KVH, BS, 2 * HD)
+
+
+def logical_view(keys, values, layout: KVCacheLayout):
+    """The GPU backends' view: logical [B, H, N, C] (C: key then value), its memory in the
+    physical order `layout` gives a layer (`layer_view_order`), as vLLM allocates it."""
+    logical = torch.cat([keys, values], dim=-1)
+    order = layout.layer_view_order
+    physical = logical.permute(*order).contiguous()
+    inverse = [order.index(i) for i in range(4)]
+    return physical.permute(*inverse)
+
+
+def layouts():
+    keys, values = known_kv()
+    out = [("vllm-cpu packed", "vllm-cpu packed", cpu_packed(keys, values))]
+    for layout in KVCacheLayout:
+        out.append((layout.name, "vLLM's logical view", logical_view(keys, values, layout)))
+    return out
+
+
+@pytest.mark.parametrize("name,reader,kv", layouts(), ids=[x[0] for x in layouts()])
+def test_every_layout_gives_the_keys_bounds_and_page_choice(name, reader, kv):
+    keys, _ = known_kv()
+    slot = 3 * BS + 2
+    assert compat.reader_of(kv, slot, keys[3, :, 2]) == reader
+    blocks = [0, 2, 3, 5]
+    lo, hi = compat.layer_key_bounds([kv, kv], reader, blocks)
+    want_lo, want_hi = selection.KeySummaries.of_blocks(
+        torch.stack([keys.transpose(0, 1)] * 2), torch.tensor(blocks)
+    )
+    assert torch.equal(lo, want_lo) and torch.equal(hi, want_hi)
+    # the page choice of a query over those bounds: the same blocks as from the keys themselves
+    q = torch.randn(1, 2 * KVH, HD, generator=torch.Generator().manual_seed(1))
+    valid = torch.ones(1, len(blocks), dtype=torch.bool)
+    got = selection.block_scores(q, lo[0][None], hi[0][None], valid, HD**-0.5)
+    want = selection.block_scores(q, want_lo[0][None], want_hi[0][None], valid, HD**-0.5)
+    forced = torch.zeros_like(valid)
+    assert torch.equal(
+        selection.choose(got, forced, valid, keep=2), selection.choose(want, forced, valid, keep=2)
+    )
+
+
+def test_a_cache_without_the_key_where_any_reader_looks_is_refused():
+    keys, values = known_kv()
+    kv = cpu_packed(keys, values)
+    with pytest.raises(compat.UnsupportedAttention, match="query-aware pages are off"):
+        compat.reader_of(kv, 3 * BS + 2, torch.full((KVH, HD), 1234.5))
+    # values where keys should be (a kernel that packs values first): no reader matches
+    swapped = cpu_packed(values, keys)
+    with pytest.raises(compat.UnsupportedAttention, match="tried: vllm-cpu packed"):
+        compat.reader_of(swapped, 3 * BS + 2, keys[3, :, 2])
+
+
+def test_a_cache_of_another_shape_is_refused_with_the_reason():
+    class Layer:
+        kv_cache = [torch.zeros(2, N, BS, KVH, HD)]  # a list per virtual engine: not read
+
+    with pytest.raises(compat.UnsupportedAttention, match="4-D KV cache"):
+        compat._layer_cache(Layer())
