@@ -820,3 +820,83 @@ def test_a_cache_no_reader_knows_decodes_on_static_pages(engine, cases, baseline
         engine.llm.collective_rpc(_key_layout, args=(before,))
     assert r["access"] == "static" and "tried: vLLM's logical view" in r["note"]
     assert r["tokens"] == baseline[1][:16]
+
+
+# where a failure is injected: the module and the attribute replaced by one that raises
+FAULTS = {
+    "admission": ("kapc.runtime.vllm.proposer", "KapProposer._admit_request"),
+    "key bounds": ("kapc.runtime.vllm.compat", "key_bounds"),
+    "page choice": ("kapc.runtime.selection", "TableRouter.apply"),
+    "draft forward": ("kapc.runtime.vllm.compat", "draft_logits"),
+}
+
+
+def _inject(worker, where: str | None) -> None:
+    """Make FAULTS[where] raise inside the engine; None puts back what was replaced."""
+    import importlib
+
+    from kapc.runtime.vllm import compat
+
+    saved = compat.__dict__.setdefault("_injected", {})
+    for (owner, name), original in saved.items():
+        setattr(owner, name, original)
+    saved.clear()
+    if where is None:
+        return
+    module, attr = FAULTS[where]
+    owner = importlib.import_module(module)
+    *path, name = attr.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    saved[(owner, name)] = getattr(owner, name)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError(f"injected fault: {where}")
+
+    setattr(owner, name, fail)
+
+
+@pytest.mark.parametrize(
+    "where,status,stage",
+    [
+        ("admission", "refused", "admission"),
+        ("key bounds", "plan", "key bounds"),  # drafts on the plans' own pages
+        ("page choice", "fallback", "drafting"),  # inside the draft forward
+        ("draft forward", "fallback", "drafting"),
+    ],
+)
+def test_a_failure_inside_the_hook_costs_the_plan_never_the_request(
+    engine, cases, baseline, where, status, stage
+):
+    """A failure at any point inside the hook turns the requests it touched to plain decoding
+    (or, for key bounds, their plans' own pages) with the reason in their statistics; their
+    output is plain vLLM's and the engine keeps serving plans. FAULT INJECTION: a mock by
+    necessity, since these failures cannot be caused for real on a working build; each point is
+    replaced by one that raises."""
+    from kapc.runtime.vllm import generate
+
+    pair = cases[:2]
+    engine.llm.collective_rpc(_inject, args=(where,))
+    try:
+        res = generate(
+            engine,
+            [c.ids for c in pair],
+            [c.plan for c in pair],
+            max_tokens=16,
+            honor_predicted_loss=False,
+            min_acceptance=False,
+        )
+    finally:
+        engine.llm.collective_rpc(_inject, args=(None,))
+    for r, want in zip(res, baseline):
+        assert r["tokens"] == want[:16]
+        assert r["status"] == status, (r["status"], r["reason"])
+        said = r["note"] if status == "plan" else r["reason"]
+        assert f"kapc's hook failed in {stage} (RuntimeError: injected fault: {where})" in said
+    if where == "key bounds":
+        assert all(r["access"] == "static" and r["proposed"] > 0 for r in res)
+    (again,) = generate(
+        engine, [pair[0].ids], [pair[0].plan], max_tokens=16, honor_predicted_loss=False
+    )
+    assert again["status"] == "plan" and again["proposed"] > 0
+    assert again["tokens"] == baseline[0][:16]

@@ -231,6 +231,7 @@ class KapProposer:
         self._key_layout: bool | str | None = None
         self._key_reader = ""
         self._probing = False  # the next forward's layer-0 key is kept, to find the reader
+        self._failures: set[tuple[str, str]] = set()  # (what failed, exception type), logged
         self._key_probe = None
         self._stacked = None  # (rows' tags, KeySummaries) while the same rows draft together
         # One record per engine step, for calibration: (entered, left, rows in the batch, rows
@@ -471,6 +472,16 @@ class KapProposer:
         max_tokens = getattr(req.sampling_params, "max_tokens", None)
         if max_tokens is not None:
             st.end_tokens = st.prompt_tokens + int(max_tokens)
+        try:
+            self._admit_request(st, req, extra)
+        except Exception as exc:  # noqa: BLE001 - one request's plan must not stop the engine
+            self._hook_failed("admitting a plan", exc)
+            st.status, st.reason = "refused", f"plan refused: {_failure('admission', exc)}"
+        self.states[req_id] = st
+        return st
+
+    def _admit_request(self, st: _ReqState, req, extra: dict) -> None:
+        """Admit the plan a request carries (a .kapb, or a prior compiled here), if any."""
         data = extra.get(PLAN_KEY)
         if data is not None:
             st.source = "kapb"
@@ -494,8 +505,6 @@ class KapProposer:
                 st.status, st.reason = "refused", opts
             else:
                 self._admit(st, req, bytes(data), opts)
-        self.states[req_id] = st
-        return st
 
     def _compile_prior(self, st: _ReqState, prior) -> bytes | None:
         """The plan of a request's prior, compiled for this engine (or None, the request refused
@@ -710,7 +719,15 @@ class KapProposer:
         self._forward_s = self._select_s = 0.0
         self._draft_predicted = self._select_predicted = 0.0
         if rows:
-            drafts = self._draft(rows, token_ids_cpu)
+            try:
+                drafts = self._draft(rows, token_ids_cpu)
+            except Exception as exc:  # noqa: BLE001 - a failed draft costs its rows their plans
+                self._router, self._probing = None, False
+                self._hook_failed("drafting", exc)
+                for _, st, *_ in rows:
+                    st.status, st.reason = "fallback", _failure("drafting", exc)
+                    st.last_drafted = 0
+                rows, drafts = [], []
             for (row, st, *_), d in zip(rows, drafts):
                 out[row] = d
                 st.last_drafted = len(d)
@@ -856,6 +873,10 @@ class KapProposer:
                 router = self._table_router([rows[i] for i in dyn])
             except UnsupportedAttention as exc:  # a cache kapc cannot read: static pages
                 self._keys_unreadable(str(exc))
+            except Exception as exc:  # noqa: BLE001 - these rows draft on their plans' pages
+                self._hook_failed("reading key bounds", exc)
+                for i in dyn:
+                    self._static_again(rows[i][1], _failure("key bounds", exc))
         if self._clock is not None and dyn:
             from kapc.policy import page_choice
 
@@ -945,13 +966,21 @@ class KapProposer:
         for st in self.states.values():
             self._static_again(st)
 
-    def _static_again(self, st: _ReqState) -> None:
+    def _static_again(self, st: _ReqState, why: str | None = None) -> None:
         if st.access is None:
             return
         st.access, st.bounds = None, None
         st.visible_prompt_tokens = st.static_visible
         st.retained_ratio = st.visible_prompt_tokens / st.prompt_tokens
-        st.note = f"static pages: {self._key_layout}"
+        st.note = f"static pages: {why or self._key_layout}"
+
+    def _hook_failed(self, doing: str, exc: Exception) -> None:
+        """One log line (with the traceback) per kind of failure inside the hook: the engine
+        keeps serving, and each request it touched says why in its statistics."""
+        key = (doing, type(exc).__name__)
+        if key not in self._failures:
+            self._failures.add(key)
+            log.exception("kapc: %s failed; the requests it touched decode without it", doing)
 
     def _table_router(self, rows):
         """The page choice of this cycle's dynamic rows: their key bounds (read from vLLM's KV
@@ -1007,6 +1036,14 @@ def compact_row(
     seq_len = len(selected) * block_size + pos + 1 - tail_block * block_size
     slot = int(blocks[pos // block_size]) * block_size + pos % block_size
     return table, seq_len, slot
+
+
+def _failure(where: str, exc: Exception) -> str:
+    """A request's reason for losing its plan to a failure inside the hook, at a readable
+    length."""
+    text = str(exc)
+    text = text if len(text) <= 200 else text[:200] + f"... ({len(text)} characters)"
+    return f"kapc's hook failed in {where} ({type(exc).__name__}: {text})"
 
 
 def view_blocks(st: _ReqState, static: bool = False) -> np.ndarray:
