@@ -189,3 +189,42 @@ def test_a_grid_of_cells_times_those_cells_longest_first():
     assert {(L, B) for kind, L, B, _, _ in full.points() if kind == "plain"} == {
         (L, B) for L in full.contexts for B in full.batches
     }
+
+
+def test_calibrate_commands_measure_show_plot_and_refit_a_profile(tmp_path, monkeypatch):
+    """The commands as a user runs them, on the reference executor and the real model: `measure`
+    writes a profile and prints it, `show`, `plot` and `refit` read it back. The quick grid is
+    swapped for a smaller one so that the test takes seconds; everything else is real."""
+    from typer.testing import CliRunner
+
+    from kapc.cli import app
+    from kapc.runtime import calibrate as cal
+
+    tiny = Grid(
+        contexts=(256,),
+        batches=(1, 2),
+        pairs=((0.5, 3),),
+        select_pair=None,
+        tolerant_pairs=(),
+        steps=3,
+        acceptance_questions=0,
+    )
+    monkeypatch.setitem(cal.GRIDS, "quick", tiny)
+    out = tmp_path / "ref.json"
+    run = CliRunner().invoke(
+        app, ["calibrate", "measure", "--engine", "reference", "--grid", "quick", "-o", str(out)]
+    )
+    assert run.exit_code == 0, run.output
+    profile = load_profile(out)
+    assert profile.engine == "reference"
+    assert {(x.kind, x.batch) for x in profile.samples} >= {("plain", 1), ("plain", 2)}
+    assert {x.visible for x in profile.samples if x.kind == "verify"} == {256}
+    assert f"profile {profile.key}" in run.output
+    shown = CliRunner().invoke(app, ["calibrate", "show", str(out)])
+    assert shown.exit_code == 0 and f"profile {profile.key}" in shown.output
+    png = tmp_path / "fit.png"
+    plotted = CliRunner().invoke(app, ["calibrate", "plot", str(out), "-o", str(png)])
+    assert plotted.exit_code == 0 and png.read_bytes()[:4] == b"\x89PNG"
+    refit = CliRunner().invoke(app, ["calibrate", "refit", str(out)])
+    assert refit.exit_code == 0 and "fitted again" in refit.output
+    assert load_profile(out).samples == profile.samples
