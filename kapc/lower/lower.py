@@ -10,7 +10,7 @@ import numpy as np
 
 from kapc import __version__
 from kapc.errors import KapcError
-from kapc.ir import Module
+from kapc.ir import Module, present
 from kapc.lower.kapb import (
     CostPrediction,
     FallbackPolicy,
@@ -33,19 +33,11 @@ def lower_module(module: Module, ctx: CompileContext) -> bytes:
             f"cannot lower module {module.kap.name!r}: it has not been through "
             f"`compact` (passes so far: {', '.join(module.kap.passes) or 'none'})"
         )
-    target, prompt, pages, view = module.target, module.prompt, module.pages, module.view
-    verify, f, c, access = module.verify, module.fallback, module.cost, module.access
-    if (
-        target is None
-        or prompt is None
-        or pages is None
-        or view is None
-        or verify is None
-        or f is None
-        or c is None
-        or access is None
-    ):  # the checker refuses such a module before it gets here; say so if one does
-        raise LowerError(f"module {module.kap.name!r} lacks a statement compact writes")
+    # the checker refuses a module that ran compact without these statements
+    target, prompt = present(module.target, "target"), present(module.prompt, "prompt")
+    pages, view = present(module.pages, "pages"), present(module.view, "view")
+    verify, access = present(module.verify, "verify"), present(module.access, "access")
+    f, c = present(module.fallback, "fallback"), present(module.cost, "cost")
     assets = ctx.assets
     if target.fingerprint != assets.fingerprint or target.tokenizer != assets.tokenizer_fingerprint:
         raise LowerError(
