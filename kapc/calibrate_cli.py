@@ -16,7 +16,7 @@ from typing import Annotated
 import typer
 
 from kapc.errors import KapcError
-from kapc.options import BlockSizeOpt, ModelOpt
+from kapc.options import BlockSizeOpt, ModelOpt, positive_ints, words
 
 calibrate_app = typer.Typer(
     no_args_is_help=True,
@@ -42,16 +42,6 @@ def _profile_files(given: list[Path] | None) -> list[Path]:
     if not files:
         raise KapcError(f"no profiles in {profiles_dir()}; run kapc calibrate measure")
     return files
-
-
-def _ints(text: str, option: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        values = ()
-    if not values or min(values) < 1:
-        raise KapcError(f"{option} takes positive integers, comma-separated, not {text!r}")
-    return values
 
 
 @calibrate_app.command()
@@ -103,14 +93,16 @@ def measure(
 
     if grid not in GRIDS:
         raise KapcError(f"--grid takes {', '.join(GRIDS)}, not {grid!r}")
-    kinds = tuple(x.strip() for x in only.split(",") if x.strip()) if only is not None else MEASURES
+    kinds = words(only) if only is not None else MEASURES
     if not kinds or any(k not in MEASURES for k in kinds):
         raise KapcError(f"--only takes {', '.join(MEASURES)} (comma-separated), not {only!r}")
     chosen = GRIDS[grid]
     if contexts is not None:  # every context x batch given, instead of the grid's cells
-        chosen = dataclasses.replace(chosen, contexts=_ints(contexts, "--contexts"), cells=())
+        chosen = dataclasses.replace(
+            chosen, contexts=positive_ints(contexts, "--contexts"), cells=()
+        )
     if batches is not None:
-        chosen = dataclasses.replace(chosen, batches=_ints(batches, "--batches"), cells=())
+        chosen = dataclasses.replace(chosen, batches=positive_ints(batches, "--batches"), cells=())
     if not any(p[0] in kinds for p in chosen.points()):
         raise KapcError(
             f"the {grid} grid has no points of kind {', '.join(kinds)}; try --grid full"

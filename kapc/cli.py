@@ -14,7 +14,7 @@ import typer
 from kapc import settings
 from kapc.errors import KapcError
 from kapc.models import DEFAULT_MODEL
-from kapc.options import BlockSizeOpt, ModelOpt
+from kapc.options import BlockSizeOpt, ModelOpt, positive_ints, words
 from kapc.policy import MAX_AUTO_K
 
 app = typer.Typer(
@@ -422,26 +422,20 @@ def bench(
     from kapc.bench import BenchConfig, run_sweep
     from kapc.bench.report import write_report
 
-    def csv(text: str) -> tuple[str, ...]:
-        return tuple(x.strip() for x in text.split(",") if x.strip())
-
     if report_only:
         if not (out / "results.jsonl").exists():
             raise KapcError(f"{out} holds no results.jsonl to report on")
         typer.echo(f"kapc: report written to {write_report(out)}", err=True)
         return
-    try:
-        lens = tuple(int(x) for x in csv(lengths))
-    except ValueError:
-        raise KapcError(f"--lengths is comma-separated integers, not {lengths!r}") from None
+    lens = positive_ints(lengths, "--lengths")
     cfg = BenchConfig(
         out=out,
         questions=questions,
         first=first,
         lengths=lens,
-        datasets=csv(datasets),
-        workloads=csv(workloads),
-        methods=csv(methods),
+        datasets=words(datasets),
+        workloads=words(workloads),
+        methods=words(methods),
         engine=engine,
         baseline=baseline,
         batch=batch,

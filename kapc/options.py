@@ -20,3 +20,24 @@ BlockSizeOpt = Annotated[
         "--block-size", help="The target engine's KV block size (sets resolve-pages' block-size)."
     ),
 ]
+
+
+def words(text: str) -> tuple[str, ...]:
+    """A comma-separated option's items, blanks dropped."""
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def positive_ints(text: str, option: str) -> tuple[int, ...]:
+    """A comma-separated option's positive integers, or a KapcError that names `option`."""
+    from kapc.errors import KapcError
+
+    try:
+        values = tuple(int(x) for x in words(text))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise KapcError(
+            f"{option} takes positive integers: comma-separated integers such as 1024,4096, "
+            f"not {text!r}"
+        )
+    return values
