@@ -136,14 +136,18 @@ def profiled_speedup(
     (`chooses_pages`), the cycle's page choice."""
     plain = unplanned_step(profile, batch, context)
     draft = profile.seconds("draft", batch, max(1.0, s * context))
-    propose = (
-        profile.seconds("propose", batch, context, query=k + 1)
-        if "propose" in profile.fits
-        else 0.0
-    )
+    propose = proposer_work(profile, [k + 1] * batch)
     verify = profile.seconds(verify_kind(profile, tolerant), batch, context, query=k + 1)
     choose = page_choice(profile, batch if chooses_pages else 0, batch * context, k + 1)
     return tokens_per_cycle(p, k) * plain / (k * draft + propose + choose + verify)
+
+
+def proposer_work(profile, steps: Sequence[int]) -> float:
+    """Seconds of the proposer's own work (besides its forwards) in a step whose drafting rows
+    run cycles of `steps` (k + 1 each); 0 for no such rows, or a profile that never measured it."""
+    if not steps or "propose" not in profile.fits:
+        return 0.0
+    return profile.seconds_of("propose", {"1": 1.0, "B": float(len(steps)), "q": float(max(steps))})
 
 
 def page_choice(profile, rows: int, tokens: float, steps: int) -> float:
@@ -151,8 +155,9 @@ def page_choice(profile, rows: int, tokens: float, steps: int) -> float:
     `tokens` tokens together, in a cycle of `steps` - 1 draft steps (the longest row's k + 1):
     scoring every prompt block against each layer's query once, and writing the choice into the
     block table at every draft step. 0 for no such rows, or a profile that never measured it
-    (`kapc calibrate measure --only select` adds it). Calibrated at 22 to 44 ms a cycle on a 2-core CPU
-    (2K-8K x 1-8), where a draft forward is 80 to 140 ms, so a plan's sign can hang on it."""
+    (`kapc calibrate measure --only cycle` adds it). Measured at 14 to 40 ms a cycle on a 2-core
+    CPU (1K-6K x 1-8, k 1-8), where a draft forward is 70 to 120 ms, so a plan's sign can hang
+    on it."""
     if rows == 0 or "select" not in profile.fits:
         return 0.0
     values = {"1": 1.0, "B": float(rows), "BV": float(tokens), "q": float(steps)}
@@ -359,10 +364,7 @@ def step_cost(profile, rows: list[DraftRow], others: list[int]) -> float:
     for j in range(max(r.k for r in drafting)):  # draft step j runs the rows still drafting
         live = [r for r in drafting if r.k > j]
         draft += profile.seconds("draft", len(live), sum(r.s * r.context for r in live) / len(live))
-    propose = 0.0
-    if "propose" in profile.fits:
-        work = {"1": 1.0, "B": float(len(drafting)), "q": float(max(r.k + 1 for r in drafting))}
-        propose = profile.seconds_of("propose", work)
+    propose = proposer_work(profile, [r.k + 1 for r in drafting])
     choosing = [r for r in drafting if r.chooses_pages]
     return (
         verify

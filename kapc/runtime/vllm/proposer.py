@@ -738,14 +738,13 @@ class KapProposer:
                 self._clock.record("select", self._select_s, self._select_predicted)
         t1 = time.perf_counter()
         if self._clock is not None:
+            from kapc.policy import proposer_work
+
             if rows and "propose" in self._profile.fits:  # the call less its forwards
                 self._clock.record(
                     "propose",
                     t1 - t0 - self._forward_s,
-                    self._profile.seconds_of(
-                        "propose",
-                        {"1": 1.0, "B": float(len(rows)), "q": float(max(r[4] + 1 for r in rows))},
-                    ),
+                    proposer_work(self._profile, [r[4] + 1 for r in rows]),
                 )
             self._pending = _PendingStep(
                 called=t0,
