@@ -17,8 +17,8 @@ questions 1000 and on, never the ones benchmarks report), real compiled plans at
 and context lengths measure the per-draft acceptance p against s and L (`AcceptanceFit`).
 
 Each point is appended to `<profiles>/<key>.partial.jsonl` (or beside `-o FILE`) as it is
-measured, so an interrupted run resumes where it stopped. Engines are in `Bench` classes: `kapc.runtime.vllm.calibrate.
-VllmBench` and `ReferenceBench` here.
+measured, so an interrupted run resumes where it stopped. Engines are in `Bench` classes:
+`kapc.runtime.vllm.calibrate.VllmBench` and `ReferenceBench` here.
 """
 
 from __future__ import annotations
