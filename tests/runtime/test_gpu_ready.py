@@ -65,3 +65,21 @@ def test_gpu_script_runs_end_to_end_on_a_tiny_model(tmp_path):
         "verify_tolerant": 8,
     }
     assert len((tmp_path / "steps.jsonl").read_text().splitlines()) == len(prof["samples"])
+
+
+def test_the_prepared_gpu_check_refuses_without_a_gpu(tmp_path):
+    """`python -m benchmarks.gpu_check` runs only where there is a CUDA GPU and vLLM's GPU
+    package: here it refuses at once, says why, and writes nothing."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "gpu"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "gpu_check: refused: no CUDA GPU is visible" in done.stderr
+    assert not out.exists()
