@@ -27,8 +27,7 @@ from pathlib import Path
 
 from kapc.errors import KapcError
 from kapc.prior import Prior, encode_prior, load_prior
-
-PLAN_KEY, PRIOR_KEY, TAG_KEY, OPTS_KEY = "kapc_plan", "kapc_prior", "kapc_tag", "kapc_opts"
+from kapc.runtime.session import OPTS_KEY, PLAN_KEY, PRIOR_KEY, TAG_KEY
 
 
 class ClientError(KapcError):

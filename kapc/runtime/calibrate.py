@@ -278,7 +278,6 @@ def calibrate(
     With `base`, only the points of the kinds in `only` (of MEASURES) are measured, and the
     base's samples and acceptance models of the other kinds are kept."""
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     key = profile_key(bench.engine, bench.fingerprint, bench.dtype, bench.device, bench.threads)
     # beside the profile it will become, so that measurements written elsewhere never share one
@@ -293,15 +292,27 @@ def calibrate(
             f"kapc calibrate: resuming {key}: {len(grid.points()) - len(todo)} of "
             f"{len(grid.points())} points already measured"
         )
+    if any(p[0] == "acceptance" for p in todo) and hasattr(bench, "prepare"):
+        console.print("kapc calibrate: compiling the acceptance plans (HotpotQA calibration split)")
+        bench.prepare(grid)
+    _measure_points(bench, grid, todo, part, console, progress)
+    bench.close()
+    profile = _profile_of(bench, part, base, only)
+    path = save_profile(profile, out)
+    part.path.unlink(missing_ok=True)
+    return profile, path
+
+
+def _measure_points(bench, grid: Grid, todo, part: Partial, console, progress: bool) -> None:
+    """Measure each point of `todo` into the partial file, a line per point."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
         TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(),
     )
-    if any(p[0] == "acceptance" for p in todo) and hasattr(bench, "prepare"):
-        console.print("kapc calibrate: compiling the acceptance plans (HotpotQA calibration split)")
-        bench.prepare(grid)
     with Progress(*columns, console=console, disable=not progress) as bar:
         task = bar.add_task("calibrating", total=len(todo))
         for j, point in enumerate(todo, start=1):
@@ -327,7 +338,10 @@ def calibrate(
                 + f"  ({time.perf_counter() - t0:.0f}s)"
             )
             bar.advance(task)
-    bench.close()
+
+
+def _profile_of(bench, part: Partial, base: Profile | None, only: tuple[str, ...]) -> Profile:
+    """The profile of the measured points (with `base`: the base's, those kinds measured anew)."""
     setup = {name: getattr(bench, name, "") or part.engine_setup(name) for name in ENGINE_SETUP}
     # with a base, a partial file left by an interrupted full run may hold other kinds of point
     samples = part.samples(None if base is None else only)
@@ -339,20 +353,15 @@ def calibrate(
     if base is not None:
         again = {x.kind for x in samples}  # the step kinds measured anew replace the base's
         samples = [x for x in base.samples if x.kind not in again] + samples
-        if "acceptance" not in only:
-            acceptance = dict(base.acceptance)
-        profile = msgspec.structs.replace(
+        return msgspec.structs.replace(
             base,
             samples=tuple(samples),
             created=now(),
             fits=fit_steps(samples) if again else base.fits,
-            acceptance=acceptance,
+            acceptance=acceptance if "acceptance" in only else dict(base.acceptance),
             **{name: v or getattr(base, name) for name, v in setup.items()},
         )
-        path = save_profile(profile, out)
-        part.path.unlink(missing_ok=True)
-        return profile, path
-    profile = Profile(
+    return Profile(
         engine=bench.engine,
         engine_version=bench.engine_version,
         model=bench.model,
@@ -368,9 +377,6 @@ def calibrate(
         note=bench.note,
         **setup,
     )
-    path = save_profile(profile, out)
-    part.path.unlink(missing_ok=True)
-    return profile, path
 
 
 def median_step(deltas: list[float]) -> float:
@@ -381,24 +387,22 @@ def median_step(deltas: list[float]) -> float:
 
 
 def cycle_times(log: list[tuple], rows: int, q: int) -> CycleTimes:
-    """Step times from the proposer's step log (see KapProposer.step_log) of a run in which all
-    `rows` rows draft q-1 tokens per step: a step's verification is the time from the previous
-    call's exit to this call's entry, when the previous call drafted q-1 tokens for every row;
-    the page choice made inside a call's forwards is the cycle's `select`, not its drafts'."""
-    verify, draft, propose, select = [], [], [], []
-    for prev, cur in zip(log, log[1:]):
-        if prev[3] == rows and prev[4] == q - 1:
-            verify.append(cur[0] - prev[1])
-    for rec in log:
-        if rec[3] == rows and rec[4] == q - 1 and q > 1:
-            draft.append((rec[5] - rec[6]) / (q - 1))
-            propose.append(rec[1] - rec[0] - rec[5])
-            select.append(rec[6])
+    """Step times from the hook's step log (`kapc.runtime.planner.StepRecord`s, as tuples) of a
+    run in which all `rows` rows draft q-1 tokens per step: a step's verification is the time
+    from the previous call's exit to this call's entry, when the previous call drafted q-1
+    tokens for every row; the page choice made inside a call's forwards is the cycle's
+    `select`, not its drafts'."""
+    from kapc.runtime.planner import StepRecord
+
+    steps = [StepRecord(*rec) for rec in log]
+    full = [r.drafting == rows and r.steps == q - 1 for r in steps]
+    verify = [cur.entered - prev.left for prev, cur, f in zip(steps, steps[1:], full) if f]
+    cycles = [r for r, f in zip(steps, full) if f and q > 1]
     return CycleTimes(
-        draft=median_step(draft),
-        propose=median_step(propose),
+        draft=median_step([(r.forward_s - r.select_s) / (q - 1) for r in cycles]),
+        propose=median_step([r.left - r.entered - r.forward_s for r in cycles]),
         verify=median_step(verify),
-        select=median_step(select),
+        select=median_step([r.select_s for r in cycles]),
     )
 
 
@@ -677,6 +681,20 @@ def show(profile: Profile) -> str:
             f"  top-N verification costs {min(extra):.2f}x to {max(extra):.2f}x a greedy "
             f"one (2K-8K x 1-8, q 3-9)"
         )
+    lines += _fits_and_samples(profile)
+    for rule, a in profile.acceptance.items():
+        pts = ", ".join(f"s={s:.3f} L={L}: p={p:.2f} ({n})" for s, L, p, n in a.points)
+        lines.append(
+            f"  acceptance {rule}: logit p = {a.a:.3f} + {a.b:.3f} log s + {a.c:.3f} "
+            f"log(L/4096); p(s=0.1, L=4096) = {a.p(0.1, 4096):.2f}, p(0.1, 8192) = "
+            f"{a.p(0.1, 8192):.2f}; measured {pts}"
+        )
+    lines += pays_from_table(profile)
+    return "\n".join(lines)
+
+
+def _fits_and_samples(profile: Profile) -> list[str]:
+    lines = []
     for kind, fit in profile.fits.items():
         terms = " + ".join(
             f"{c * 1e3:.4g}ms*{f}" if f != "1" else f"{c * 1e3:.4g}ms"
@@ -699,15 +717,7 @@ def show(profile: Profile) -> str:
             f"  {smp.kind:15} {smp.batch:>3} {smp.query:>2} {smp.visible:>7} "
             f"{smp.seconds * 1e3:>8.1f}ms {fitted * 1e3:>8.1f}ms"
         )
-    for rule, a in profile.acceptance.items():
-        pts = ", ".join(f"s={s:.3f} L={L}: p={p:.2f} ({n})" for s, L, p, n in a.points)
-        lines.append(
-            f"  acceptance {rule}: logit p = {a.a:.3f} + {a.b:.3f} log s + {a.c:.3f} "
-            f"log(L/4096); p(s=0.1, L=4096) = {a.p(0.1, 4096):.2f}, p(0.1, 8192) = "
-            f"{a.p(0.1, 8192):.2f}; measured {pts}"
-        )
-    lines += pays_from_table(profile)
-    return "\n".join(lines)
+    return lines
 
 
 def forecast_check(profile: Profile, measured: Profile, against: str = "") -> str:

@@ -30,23 +30,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kapc.lower.kapb import Plan, PlanMismatch, check_plan_matches, prompt_hash
-from kapc.policy import (
-    AcceptanceMonitor,
-    AccessPolicy,
-    AccessView,
-    PolicyError,
-    accepted_prefix,
-    access_problem,
-    access_view,
-    admit,
-    engine_blocks,
-    parse_accept,
-    visible_tokens,
-)
+from kapc.lower.kapb import Plan, PlanMismatch, prompt_hash
+from kapc.policy import AccessPolicy, accepted_prefix, parse_accept
 from kapc.runtime import attention, selection
 from kapc.runtime.model import RuntimeModel
 from kapc.runtime.paged_kv import NULL_BLOCK, PagedKVCache, Workspace
+from kapc.runtime.session import EngineRules, PlanSession, RequestOptions, RunReport
 
 __all__ = ["Executor", "Request", "RequestResult", "BatchStats", "parse_accept", "PlanMismatch"]
 
@@ -65,26 +54,77 @@ class Request:
 
 @dataclass
 class RequestResult:
+    """A decoded request: its tokens and the executor's figures, with its plan's `RunReport`
+    (`report`), whose fields read through (as the full-context view where the plan never ran)."""
+
     req_id: object
     tokens: list[int]
     finish_reason: str  # "eos" or "length"
-    mode: str  # "plan" (ran the plan, possibly falling back midway) or "full"
-    fallback_reason: str | None
-    prompt_tokens: int
-    visible_prompt_tokens: int
-    retained_ratio: float | None  # executed s (visible prompt tokens / prompt tokens)
-    plan_retained_ratio: float | None
-    accept: str | None
-    k: int
-    proposed: int
-    accepted: int
     cycles: int  # decoding cycles after prefill
-    plan_cycles: int  # cycles that ran a proposal
     decode_tokens: int  # tokens emitted by the cycles (all tokens but the prefill's)
     prefill_s: float
-    speedup_predicted: float | None
-    accepted_per_pos: list[int] = field(default_factory=list)  # cycles accepting >= j+1 drafts
-    access: str = "static"  # the access policy the proposal ran under
+    report: RunReport
+
+    @property
+    def mode(self) -> str:
+        """ "plan" (ran the plan, possibly falling back midway) or "full"."""
+        return "plan" if self.report.ran else "full"
+
+    @property
+    def fallback_reason(self) -> str | None:
+        return self.report.reason
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.report.prompt_tokens
+
+    @property
+    def visible_prompt_tokens(self) -> int:
+        return self.report.visible_prompt_tokens if self.report.ran else self.prompt_tokens
+
+    @property
+    def retained_ratio(self) -> float | None:
+        """The executed s (visible prompt tokens / prompt tokens) of a plan that ran."""
+        return self.report.retained_ratio if self.report.ran else None
+
+    @property
+    def plan_retained_ratio(self) -> float | None:
+        return self.report.plan_retained_ratio
+
+    @property
+    def accept(self) -> str | None:
+        return self.report.accept
+
+    @property
+    def k(self) -> int:
+        return self.report.k
+
+    @property
+    def proposed(self) -> int:
+        return self.report.proposed
+
+    @property
+    def accepted(self) -> int:
+        return self.report.accepted
+
+    @property
+    def plan_cycles(self) -> int:
+        """Cycles that ran a proposal."""
+        return self.report.draft_cycles
+
+    @property
+    def speedup_predicted(self) -> float | None:
+        return self.report.speedup_predicted
+
+    @property
+    def accepted_per_pos(self) -> list[int]:
+        """Cycles accepting at least j+1 drafts, per j."""
+        return self.report.accepted_per_pos
+
+    @property
+    def access(self) -> str:
+        """The access policy the proposal ran under."""
+        return self.report.access if self.report.ran else "static"
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -133,30 +173,19 @@ class _Seq:
     prompt: torch.Tensor  # long [P] on device
     P: int
     max_tokens: int
-    mode: str
-    accept: str | None
-    topn: int
-    k: int
-    fallback_reason: str | None = None
-    visible_positions: torch.Tensor | None = None  # the plan's prompt positions on this cache
+    plan: PlanSession
     visible_slots: torch.Tensor | None = None  # compact prompt slots (plan rows)
-    visible_prompt_tokens: int = 0
-    access: AccessPolicy | None = None  # a dynamic or hybrid policy (None: the static view)
-    view: AccessView | None = None  # the blocks a dynamic or hybrid view reads
-    summary: tuple | None = None  # (key min, key max, pool blocks) of the prompt's full blocks
     c: int = 0  # committed KV length
     carry: int = -1  # last emitted token, not yet in the KV cache
     out: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: str = "length"
-    proposed: int = 0
-    accepted: int = 0
     cycles: int = 0
-    plan_cycles: int = 0
-    monitor: AcceptanceMonitor | None = None
-    per_pos: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
-    ran_plan: bool = False
+
+    @property
+    def drafting(self) -> bool:
+        return self.plan.drafting
 
 
 class Executor:
@@ -200,6 +229,9 @@ class Executor:
         self._gather_s = 0.0
         self.measure_overlap = False  # also choose from the true query, to score proxies
         self._stacked: tuple[tuple[int, ...], selection.KeySummaries] | None = None
+        self.rules = EngineRules(
+            block_size=block_size, layers=model.num_layers, fingerprint=lambda: model.fingerprint
+        )
 
     # ---- public API ---------------------------------------------------------------------------
     def generate(self, requests: list[Request]) -> tuple[list[RequestResult], BatchStats]:
@@ -234,66 +266,27 @@ class Executor:
             raise ValueError("empty prompt")
         if r.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
-        prompt = torch.from_numpy(ids.copy()).to(self.m.device)
+        if r.req_id is None:
+            r.req_id = i
         P = int(ids.size)
-        plan = r.plan
+        session = PlanSession(tag=str(r.req_id), prompt_tokens=P)
         s = _Seq(
             sid=next(self._ids),
             req=r,
-            prompt=prompt,
+            prompt=torch.from_numpy(ids.copy()).to(self.m.device),
             P=P,
             max_tokens=r.max_tokens,
-            mode="full",
-            accept=None,
-            topn=1,
-            k=0,
+            plan=session,
         )
-        if r.req_id is None:
-            r.req_id = i
-        if plan is None:
+        if r.plan is None:
             return s
-        h = plan.header
-        s.accept = r.accept or h.accept
-        s.topn = parse_accept(s.accept)
-        s.k = int(r.k if r.k is not None else h.k)
-        try:
-            check_plan_matches(
-                plan, model_fingerprint=self.m.fingerprint, prompt_token_ids=ids.astype(np.int32)
-            )
-        except PlanMismatch as exc:
-            if self.on_mismatch == "raise":
-                raise
-            s.fallback_reason = f"plan refused: {exc}"
-            return s
-        # A plan compiled for another block size runs on this cache's blocks (kapc.policy).
-        blocks = engine_blocks(plan.positions, P, self.block_size)
-        pos = (blocks[:, None] * self.block_size + np.arange(self.block_size)).ravel()
-        pos = pos[pos < P]
-        s.visible_prompt_tokens = visible_tokens(blocks, P, self.block_size)
-        s.visible_positions = torch.from_numpy(pos).to(self.m.device)
-        self._admit_access(s, r.access if r.access is not None else h.access, blocks)
-        verdict = admit(
-            h,
-            retained=s.visible_prompt_tokens / P,
-            k=r.k,
-            accept=r.accept,
-            honor_predicted_loss=self.honor_predicted_loss,
+        opts = RequestOptions(
+            honor_predicted_loss=self.honor_predicted_loss, k=r.k, accept=r.accept, access=r.access
         )
-        s.k, s.fallback_reason = verdict.k, verdict.reason
-        if verdict.runs:
-            s.mode = "plan"
-            s.monitor = AcceptanceMonitor(h.fallback.min_acceptance, h.fallback.acceptance_window)
+        session.admit(r.plan, ids, opts, self.rules)
+        if session.error is not None and self.on_mismatch == "raise":
+            raise session.error
         return s
-
-    def _admit_access(self, s: _Seq, access: AccessPolicy, blocks: np.ndarray) -> None:
-        """A dynamic or hybrid policy: the blocks its view reads (kapc.policy.access_view)."""
-        if access.mode == "static":
-            return
-        problem = access_problem(access, self.m.num_layers)
-        if problem:
-            raise PolicyError(problem)
-        s.access, s.view = access, access_view(access, blocks, s.P, self.block_size)
-        s.visible_prompt_tokens = s.view.visible
 
     # ---- prefill ------------------------------------------------------------------------------
     def _prefill_all(self, seqs: list[_Seq]) -> None:
@@ -362,16 +355,20 @@ class Executor:
     def _lifetime(self, s: _Seq) -> int:
         """The KV positions a request can use: reserved at once, so that its context is one run
         of the pool (two for a forked prompt) that attention reads in place."""
-        return s.P + s.max_tokens + s.k + 1
+        return s.P + s.max_tokens + s.plan.k + 1
 
     def _started(self, s: _Seq, first: int, t0: float) -> None:
         self.cache.ensure(s.sid, self._lifetime(s))
         s.c = s.P
         s.carry = first
         s.out.append(first)
-        if s.mode == "plan":
-            if s.access is None:
-                s.visible_slots = self.cache.slots(s.sid, s.visible_positions)
+        if s.drafting:
+            plan, bs = s.plan, self.block_size
+            if plan.access is None:
+                blocks = np.append(plan.selected, plan.tail_block)
+                pos = (blocks[:, None] * bs + np.arange(bs)).ravel()
+                pos = torch.from_numpy(pos[pos < s.P]).to(self.m.device)
+                s.visible_slots = self.cache.slots(s.sid, pos)
             else:
                 # the tail is always read; the full blocks before it are chosen per cycle
                 tail = (s.P - 1) // self.block_size
@@ -380,8 +377,7 @@ class Executor:
                     s.sid, torch.arange(tail * self.block_size, s.P, device=dev)
                 )
                 pool = torch.tensor(self.cache.tables[s.sid][:tail], dtype=torch.long, device=dev)
-                s.summary = (*selection.KeySummaries.of_blocks(self.cache.k, pool), pool)
-            s.ran_plan = True
+                plan.bounds = (*selection.KeySummaries.of_blocks(self.cache.k, pool), pool)
         self._check_stop(s)
         s.prefill_s = time.perf_counter() - t0
 
@@ -420,8 +416,8 @@ class Executor:
         plan_rows = [
             (s, kb)
             for s in active
-            if s.mode == "plan"
-            for kb in [min(s.k, s.max_tokens - len(s.out) - 1)]
+            if s.drafting
+            for kb in [min(s.plan.k, s.max_tokens - len(s.out) - 1)]
             if kb >= 1
         ]
         if not plan_rows:
@@ -448,7 +444,7 @@ class Executor:
             device=dev,
         )
         logits = self.m.forward(ids, pos, self._in_place_attention(rows))
-        maxn = max(s.topn for s in active)
+        maxn = max(s.plan.topn for s in active)
         if maxn > 1:
             top = logits.topk(maxn, dim=-1).indices.cpu()
             target = top[:, 0].tolist()
@@ -461,19 +457,13 @@ class Executor:
     def _commit(self, s: _Seq, drafts: list[int], target: list[int], top, stats: BatchStats):
         """Emit the accepted prefix of `drafts` and the full-context token after it; record
         acceptance, fall back when the plan is losing, stop at EOS or the length limit."""
-        cands = [[t] for t in target[: len(drafts)]] if s.topn == 1 else top[: len(drafts)].tolist()
-        a = accepted_prefix(drafts, cands, s.topn)
+        topn = s.plan.topn
+        cands = [[t] for t in target[: len(drafts)]] if topn == 1 else top[: len(drafts)].tolist()
+        a = accepted_prefix(drafts, cands, topn)
         s.cycles += 1
         if drafts:
-            s.plan_cycles += 1
-            s.proposed += len(drafts)
-            s.accepted += a
-            s.per_pos += [0] * (len(drafts) - len(s.per_pos))
-            for j in range(a):
-                s.per_pos[j] += 1
-            reason = s.monitor.record(len(drafts), a)
-            if reason and s.mode == "plan":
-                s.mode, s.fallback_reason = "full", reason
+            s.plan.drafted(len(drafts))
+            s.plan.verified(a)  # may fall back: the plan is losing
         s.c += a + 1
         n0 = len(s.out)
         for t in drafts[:a] + [target[a]]:
@@ -495,25 +485,13 @@ class Executor:
         (`D` columns, the same for all rows, masked past the row's own count), the fixed part
         (static: the plan's prompt tokens; dynamic: the tail) and its generated tokens, padding,
         then one column per draft step."""
-        dev, bs = self.m.device, self.block_size
+        dev = self.m.device
         B = len(plan_rows)
         kmax = max(kb for _, kb in plan_rows)
-        dyn = [b for b, (s, _) in enumerate(plan_rows) if s.access is not None]
-        keepmax = max((plan_rows[b][0].view.keep for b in dyn), default=0)
-        D = keepmax * bs
-        fixed = []
-        for s, _ in plan_rows:
-            gen = self.cache.slots(s.sid, torch.arange(s.P, s.c, device=dev)) if s.c > s.P else None
-            fixed.append(s.visible_slots if gen is None else torch.cat([s.visible_slots, gen]))
-        Tc = D + max(f.numel() for f in fixed)
-        W = Tc + kmax
-        index = torch.zeros(B, W, dtype=torch.long, device=dev)  # pads read slot 0 (null block)
-        valid = torch.zeros(B, Tc, dtype=torch.bool, device=dev)
-        for b, f in enumerate(fixed):
-            index[b, D : D + f.numel()] = f
-            valid[b, D : D + f.numel()] = True
-            if plan_rows[b][0].view is not None:
-                valid[b, : plan_rows[b][0].view.keep * bs] = True
+        dyn = [b for b, (s, _) in enumerate(plan_rows) if s.plan.access is not None]
+        keepmax = max((plan_rows[b][0].plan.view.keep for b in dyn), default=0)
+        index, valid, D = self._compact_views([s for s, _ in plan_rows], keepmax, kmax)
+        Tc, W = valid.shape[1], index.shape[1]
         route = self._router([plan_rows[b][0] for b in dyn], keepmax, stats) if dyn else None
         dyn_t = torch.tensor(dyn, dtype=torch.long, device=dev)
         bidx = torch.arange(B, device=dev)
@@ -561,19 +539,40 @@ class Executor:
         drafts = torch.stack(out, 1).cpu().tolist()  # [B, kmax]
         return {s.sid: drafts[b][:kb] for b, (s, kb) in enumerate(plan_rows)}
 
+    def _compact_views(self, rows: list[_Seq], keepmax: int, kmax: int):
+        """The rows' compact views as pool slots: `index` [B, W] (the chosen blocks' `D`
+        columns, left for the router; the fixed part; padding reading slot 0, the null block;
+        `kmax` draft columns) and `valid` [B, W - kmax], the columns a row may attend to."""
+        dev, bs = self.m.device, self.block_size
+        D = keepmax * bs
+        fixed = []
+        for s in rows:
+            gen = self.cache.slots(s.sid, torch.arange(s.P, s.c, device=dev)) if s.c > s.P else None
+            fixed.append(s.visible_slots if gen is None else torch.cat([s.visible_slots, gen]))
+        Tc = D + max(f.numel() for f in fixed)
+        index = torch.zeros(len(rows), Tc + kmax, dtype=torch.long, device=dev)
+        valid = torch.zeros(len(rows), Tc, dtype=torch.bool, device=dev)
+        for b, (s, f) in enumerate(zip(rows, fixed)):
+            index[b, D : D + f.numel()] = f
+            valid[b, D : D + f.numel()] = True
+            if s.plan.view is not None:
+                valid[b, : s.plan.view.keep * bs] = True
+        return index, valid, D
+
     def _router(self, rows: list[_Seq], keep: int, stats: BatchStats) -> selection.Router:
         """The page choice of this cycle's dynamic rows (their key summaries stacked once for as
         long as the same rows draft together)."""
+        plans = [s.plan for s in rows]
         key = tuple(s.sid for s in rows)
         if self._stacked is None or self._stacked[0] != key:
-            self._stacked = (key, selection.KeySummaries.stack([s.summary for s in rows]))
+            self._stacked = (key, selection.KeySummaries.stack([p.bounds for p in plans]))
         summ = self._stacked[1]
         forced, preferred, quota = selection.row_masks(
-            summ.valid, [(s.view.forced, s.view.preferred, s.view.quota) for s in rows]
+            summ.valid, [(p.view.forced, p.view.preferred, p.view.quota) for p in plans]
         )
         return selection.Router(
             self.m,
-            [s.access for s in rows],
+            [p.access for p in plans],
             summ,
             forced,
             keep,
@@ -665,28 +664,13 @@ class Executor:
 
     # ---- results ------------------------------------------------------------------------------
     def _result(self, s: _Seq) -> RequestResult:
-        plan = s.req.plan
-        h = plan.header if plan is not None else None
-        executed_s = s.visible_prompt_tokens / s.P if s.ran_plan else None
+        s.plan.steps = s.cycles + 1 if s.out else 0  # the prefill's step emitted a token too
         return RequestResult(
             req_id=s.req.req_id,
             tokens=list(s.out),
             finish_reason=s.finish_reason,
-            mode="plan" if s.ran_plan else "full",
-            fallback_reason=s.fallback_reason,
-            prompt_tokens=s.P,
-            visible_prompt_tokens=s.visible_prompt_tokens if s.ran_plan else s.P,
-            retained_ratio=executed_s,
-            plan_retained_ratio=h.retained_ratio if h else None,
-            accept=s.accept,
-            k=s.k,
-            proposed=s.proposed,
-            accepted=s.accepted,
             cycles=s.cycles,
-            plan_cycles=s.plan_cycles,
             decode_tokens=len(s.out) - 1 if s.out else 0,
             prefill_s=s.prefill_s,
-            speedup_predicted=h.cost.speedup if h else None,
-            accepted_per_pos=list(s.per_pos),
-            access=s.access.mode if s.access is not None and s.ran_plan else "static",
+            report=s.plan.report(),
         )

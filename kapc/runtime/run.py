@@ -7,7 +7,7 @@ from pathlib import Path
 from kapc.lower.kapb import Plan, read_plan
 from kapc.models import MODELS, ModelError
 
-__all__ = ["run_plan_file", "run_plan", "format_report"]
+__all__ = ["run_plan_file", "run_plan", "run_result", "with_full_context", "format_report"]
 
 
 def _model_for(plan: Plan, model, device, dtype):
@@ -93,31 +93,78 @@ def run_plan(
     )
     ex.clear_prefix_cache()
     tok = m.tokenizer
-    out = {
+    out = run_result(
+        plan,
+        res.report,
+        source=source,
+        engine="reference",
+        model=m.name,
+        device=str(m.device),
+        dtype=str(m.dtype).replace("torch.", ""),
+        block_size=h.block_size,
+        tokens=res.tokens,
+        text=tok.decode(res.tokens, skip_special_tokens=True),
+        finish_reason=res.finish_reason,
+        cycles=res.cycles,
+        timing=stats.as_dict(),
+    )
+    if compare_full:
+        with_full_context(
+            out,
+            full_res.tokens,
+            tok.decode(full_res.tokens, skip_special_tokens=True),
+            full_stats.as_dict(),
+        )
+    return out
+
+
+def run_result(
+    plan: Plan,
+    report,
+    *,
+    source: str,
+    engine: str,
+    model: str,
+    device: str,
+    dtype: str,
+    block_size: int,
+    tokens: list[int],
+    text: str,
+    finish_reason: str,
+    cycles: int,
+    timing: dict,
+) -> dict:
+    """`kapc run`'s JSON-ready result, from any runtime: the plan, the request's
+    `kapc.runtime.session.RunReport` and what the runtime decoded and timed."""
+    h, r = plan.header, report
+    prompt_tokens = len(plan.prompt_token_ids)
+    return {
         "plan": h.name,
         "source": source,
-        "model": m.name,
-        "device": str(m.device),
-        "dtype": str(m.dtype).replace("torch.", ""),
-        "prompt_tokens": res.prompt_tokens,
-        "text": tok.decode(res.tokens, skip_special_tokens=True),
-        "tokens": res.tokens,
-        "generated_tokens": len(res.tokens),
-        "finish_reason": res.finish_reason,
-        "mode": res.mode,
-        "fallback_reason": res.fallback_reason,
-        "note": None,  # the executor's cache takes the plan's block size: nothing is adapted
-        "accept": res.accept,
-        "k": res.k,
-        "block_size": h.block_size,
-        "retained_ratio": res.retained_ratio,
+        "engine": engine,
+        "model": model,
+        "device": device,
+        "dtype": dtype,
+        "prompt_tokens": prompt_tokens,
+        "text": text,
+        "tokens": list(tokens),
+        "generated_tokens": len(tokens),
+        "finish_reason": finish_reason,
+        "mode": "plan" if r.ran else "full",
+        "status": r.status,
+        "fallback_reason": r.reason,
+        "note": r.note,
+        "accept": r.accept or h.accept,
+        "k": r.k,
+        "block_size": block_size,
+        "retained_ratio": r.retained_ratio if r.ran else None,
         "plan_retained_ratio": h.retained_ratio,
-        "visible_prompt_tokens": res.visible_prompt_tokens,
-        "proposed": res.proposed,
-        "accepted": res.accepted,
-        "acceptance_rate": res.acceptance_rate,
-        "tokens_per_cycle": res.tokens_per_cycle,
-        "cycles": res.cycles,
+        "visible_prompt_tokens": r.visible_prompt_tokens if r.ran else prompt_tokens,
+        "proposed": r.proposed,
+        "accepted": r.accepted,
+        "acceptance_rate": r.acceptance_rate,
+        "tokens_per_cycle": (len(tokens) - 1) / cycles if cycles else None,
+        "cycles": cycles,
         "speedup_predicted": h.cost.speedup,
         "cost": {
             "weight_bytes": h.cost.weight_bytes,
@@ -128,17 +175,19 @@ def run_plan(
             "k": h.cost.k,
             "pays": h.cost.pays,
         },
-        "timing": stats.as_dict(),
+        "timing": timing,
     }
-    if compare_full:
-        out["full_text"] = tok.decode(full_res.tokens, skip_special_tokens=True)
-        out["full_tokens"] = full_res.tokens
-        out["identical_to_full"] = full_res.tokens == res.tokens
-        out["full_timing"] = full_stats.as_dict()
-        fp = full_stats.as_dict()["decode_tok_per_s"]
-        pp = stats.as_dict()["decode_tok_per_s"]
-        out["speedup_measured"] = pp / fp if fp and pp else None
-    return out
+
+
+def with_full_context(out: dict, tokens: list[int], text: str, timing: dict) -> None:
+    """Add full-context decoding of the same prompt to a `run_result`: its output, whether the
+    plan's is identical, and the measured speedup."""
+    out["full_text"] = text
+    out["full_tokens"] = list(tokens)
+    out["identical_to_full"] = list(tokens) == out["tokens"]
+    out["full_timing"] = timing
+    fp, pp = timing.get("decode_tok_per_s"), out["timing"].get("decode_tok_per_s")
+    out["speedup_measured"] = pp / fp if fp and pp else None
 
 
 def _fmt(x, spec=".3f"):
@@ -190,6 +239,15 @@ def format_report(result: dict):
         f"{tm['verify_s']:.2f}s, other {tm['other_s']:.2f}s "
         f"(KV gathers {tm['gather_s']:.2f}s inside)",
     )
+    _add_comparison(t, r)
+    parts = [Panel(Text(r["text"]), title="output"), t]
+    if "identical_to_full" in r and not r["identical_to_full"]:
+        parts.insert(1, Panel(Text(r["full_text"]), title="full-context output"))
+    return Group(*parts)
+
+
+def _add_comparison(t, r: dict) -> None:
+    """The report's predicted and measured speedup, and the comparison with full context."""
     c = r["cost"]
     t.add_row(
         "speedup",
@@ -209,7 +267,3 @@ def format_report(result: dict):
             f"{same} to full-context decoding "
             f"({_fmt(r['full_timing']['decode_tok_per_s'], '.1f')} tok/s)",
         )
-    parts = [Panel(Text(r["text"]), title="output"), t]
-    if "identical_to_full" in r and not r["identical_to_full"]:
-        parts.insert(1, Panel(Text(r["full_text"]), title="full-context output"))
-    return Group(*parts)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 
 import pytest
 
@@ -14,8 +15,8 @@ from kapc.client import ClientError, chat_messages, plan_xargs, prompt_text
 from kapc.errors import KapcError
 from kapc.lower.kapb import decode_plan
 from kapc.prior import load_prior
+from kapc.runtime.session import RequestOptions, RunReport, finished_line, remember, request_options
 from kapc.runtime.vllm.admission import PlanCompiler, prior_text
-from kapc.runtime.vllm.proposer import finished_line, remember, request_options
 from tests.conftest import EXAMPLES
 
 PRIOR_700 = EXAMPLES / "hotpotqa" / "q0000-700.prior.json"
@@ -90,11 +91,19 @@ def test_a_prior_must_be_json_text_or_an_object():
 
 
 def test_request_options_from_the_openai_server():
-    assert request_options(None) == {}
-    assert request_options({"accept": "top3"}) == {"accept": "top3"}
-    assert request_options('{"k": 3}') == {"k": 3}  # vllm_xargs carry strings
-    assert "not JSON" in request_options("k=3")
-    assert "must be an object" in request_options("[1, 2]")
+    assert request_options(None) == RequestOptions()
+    assert request_options({"accept": "top3"}) == RequestOptions(accept="top3")
+    assert request_options('{"k": 3}') == RequestOptions(k=3)  # vllm_xargs carry strings
+    for bad, said in (
+        ("k=3", "not JSON"),
+        ("[1, 2]", "must be an object"),
+        ('{"kk": 3}', "unknown field `kk`"),  # a misspelt option is named, not ignored
+        ('{"max_view_blocks": "wide"}', "$.max_view_blocks"),
+        ('{"max_view_blocks": 0}', "max_view_blocks must be a positive"),
+        ('{"access": {"mode": 3}}', "$.access.mode"),
+    ):
+        with pytest.raises(KapcError, match=re.escape(said)):
+            request_options(bad)
 
 
 def test_plan_xargs_carry_one_plan():
@@ -120,33 +129,25 @@ def test_chat_and_raw_requests_are_told_apart(tmp_path):
 
 def test_a_finished_request_is_logged_under_its_tag():
     line = finished_line(
-        {
-            "tag": "q1",
-            "status": "plan",
-            "source": "prior",
-            "compile_s": 0.25,
-            "compile_cached": False,
-            "retained_ratio": 0.12,
-            "k": 6,
-            "accept": "greedy",
-            "proposed": 40,
-            "accepted": 37,
-            "reason": None,
-        }
+        RunReport(
+            tag="q1",
+            status="plan",
+            source="prior",
+            compile_s=0.25,
+            compile_cached=False,
+            retained_ratio=0.12,
+            k=6,
+            accept="greedy",
+            proposed=40,
+            accepted=37,
+        )
     )
     assert line == (
         "kapc request q1: plan, plan from prior, compile 0.250s, s 0.120, "
         "k 6 greedy, proposed 40 accepted 37"
     )
     refused = finished_line(
-        {
-            "tag": "q2",
-            "status": "refused",
-            "source": "kapb",
-            "proposed": 0,
-            "accepted": 0,
-            "reason": "plan refused: truncated",
-        }
+        RunReport(tag="q2", status="refused", source="kapb", reason="plan refused: truncated")
     )
     assert refused.endswith("reason: plan refused: truncated")
 

@@ -18,6 +18,7 @@ from kapc.runtime.calibrate import (
     plot,
     show,
 )
+from kapc.runtime.planner import StepRecord
 
 pytestmark = pytest.mark.model
 
@@ -159,12 +160,11 @@ def test_tiny_calibration_gives_a_well_formed_profile(tmp_path, capsys):
 
 
 def test_cycle_times_read_the_proposer_step_log():
-    # (entered, left, rows, drafting rows, draft forwards, forward seconds, page-choice seconds):
-    # steps of 2 rows, each call drafting 2 tokens per row in 0.2 s of forwards (0.04 s of
+    # StepRecords of steps of 2 rows, each call drafting 2 tokens per row in 0.2 s of forwards (0.04 s of
     # which choose pages) and 0.05 s of its own work, each verification taking 0.5 s between calls
     log, t = [], 0.0
     for _ in range(8):
-        log.append((t, t + 0.25, 2, 2, 2, 0.2, 0.04))
+        log.append(tuple(StepRecord(t, t + 0.25, 2, 2, 2, 0.2, 0.04)))  # as the worker sends
         t += 0.25 + 0.5
     c = cycle_times(log, rows=2, q=3)
     assert c.verify == pytest.approx(0.5) and c.draft == pytest.approx(0.08)

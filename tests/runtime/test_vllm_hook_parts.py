@@ -7,13 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from kapc.policy import AcceptanceMonitor
-from kapc.runtime.vllm.proposer import (
-    _ReqState,
-    accepted_of,
-    compact_row,
-    draft_budget,
-    record_verification,
-)
+from kapc.runtime.session import PlanSession, accepted_of
+from kapc.runtime.vllm.views import compact_row, draft_budget
 
 BLOCKS = [10, 11, 12, 13, 14, 15]  # the request's real blocks, logical blocks 0..5
 BS = 4
@@ -56,21 +51,22 @@ def test_draft_budget_stops_at_the_last_token_the_request_may_emit():
 
 def test_acceptance_bookkeeping():
     assert [accepted_of(4, n) for n in (0, 1, 3, 5, 9)] == [0, 0, 2, 4, 4]
-    st = _ReqState(
+    st = PlanSession(
         tag="t",
         status="plan",
         k=4,
         per_pos=[0] * 4,
         monitor=AcceptanceMonitor(min_acceptance=0.5, window=8),
     )
-    st.last_drafted = 4
-    record_verification(st, 3)  # two drafts accepted, then the correction
+    st.drafted(4)
+    st.sampled(3)  # two drafts accepted, then the correction
     assert st.accepted == 2 and st.per_pos == [1, 1, 0, 0] and st.last_drafted == 0
-    record_verification(st, 1)  # nothing drafted since: nothing booked
-    assert st.accepted == 2
-    st.last_drafted = 4
-    record_verification(st, 1)  # all four rejected: 2 of 8 over the window, below 0.5
+    st.sampled(1)  # nothing drafted since: nothing booked
+    assert st.accepted == 2 and st.steps == 2
+    st.drafted(4)
+    st.sampled(1)  # all four rejected: 2 of 8 over the window, below 0.5
     assert st.status == "fallback" and "below the plan's min_acceptance" in st.reason
+    assert st.report().proposed == 8 and st.report().acceptance_rate == 0.25
 
 
 def test_attention_dispatch_sends_few_query_forwards_to_kapcs_kernel():

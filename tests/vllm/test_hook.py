@@ -105,9 +105,9 @@ def test_plans_of_another_block_size_run_on_the_engine_blocks(
 
 
 def _fail_fingerprint(worker, on: bool) -> None:
-    p = worker.model_runner.drafter
-    p._fingerprint = None if on else False
-    p._fingerprint_error = "simulated: the model folder could not be read"
+    setup = worker.model_runner.drafter.setup
+    setup._fingerprint = None  # computed again at the next plan when off
+    setup._fingerprint_error = "simulated: the model folder could not be read" if on else None
 
 
 def test_plan_refused_when_the_engine_model_cannot_be_fingerprinted(engine, cases, baseline):
@@ -203,7 +203,7 @@ def test_plan_as_base64_extra_arg(engine, cases, baseline):
 
     from vllm import SamplingParams
 
-    from kapc.runtime.vllm.proposer import OPTS_KEY, PLAN_KEY, TAG_KEY
+    from kapc.runtime.session import OPTS_KEY, PLAN_KEY, TAG_KEY
 
     c = cases[2]
     sp = SamplingParams(
@@ -226,7 +226,7 @@ def test_a_view_wider_than_the_draft_workspace_falls_back(engine, cases, baselin
     plan's view, padded, needs decodes with the full context, says why, and loses nothing."""
     from vllm import SamplingParams
 
-    from kapc.runtime.vllm.proposer import OPTS_KEY, PLAN_KEY, TAG_KEY
+    from kapc.runtime.session import OPTS_KEY, PLAN_KEY, TAG_KEY
 
     c = cases[2]
     sp = SamplingParams(
@@ -251,9 +251,7 @@ def test_a_view_wider_than_the_draft_workspace_falls_back(engine, cases, baselin
     )
     engine.llm.generate([{"prompt_token_ids": c.ids}], sp, use_tqdm=False)
     st = engine.stats(pop=True)["requests"]["bad-width"]
-    assert (
-        st["status"] == "refused" and "max_view_blocks" in st["reason"] and "wide" in st["reason"]
-    )
+    assert st["status"] == "refused" and "$.max_view_blocks" in st["reason"]
 
 
 def test_top3_tolerant_acceptance(engine, cases, baseline):
@@ -518,9 +516,9 @@ def _draft_copies(worker) -> dict:
     from kapc.runtime.vllm import compat
 
     p, model = worker.model_runner.drafter, worker.model_runner.model
-    copies = p._draft_copies
+    copies = p.setup.draft_copies
     out = {
-        "draft_weights": p.draft_weights,
+        "draft_weights": p.setup.draft_weights,
         "hidden_layers": p.vllm_config.model_config.hf_config.num_hidden_layers,
     }
     if copies is None:
@@ -617,8 +615,8 @@ def test_query_aware_access_is_lossless_in_vllm(engine, cases, baseline):
     """Dynamic and hybrid views in vLLM: each layer's pages are chosen from its own query (a
     pre-hook on vLLM's attention modules edits the block table per layer); a batch mixing them
     with a static plan stays identical to plain vLLM, reads the budget it was given, and the
-    page choice ran once per layer per draft cycle. An ES proxy is noted as running as the
-    query."""
+    page choice ran once per layer per draft cycle. An ES proxy, which the hook cannot compute,
+    is refused at admission, never replaced by the query."""
     from kapc.policy import AccessPolicy
     from kapc.runtime.vllm import generate
 
@@ -628,7 +626,6 @@ def test_query_aware_access_is_lossless_in_vllm(engine, cases, baseline):
     policies = [
         AccessPolicy(mode="dynamic", budget=0.3),
         AccessPolicy(mode="hybrid", budget=0.4),
-        AccessPolicy(mode="dynamic", budget=0.3, proxy="es-mid"),
     ]
 
     def step_log():
@@ -661,9 +658,7 @@ def test_query_aware_access_is_lossless_in_vllm(engine, cases, baseline):
                 else access.budget
             )
             assert access.budget - 2 * engine.block_size / P <= r["retained_ratio"] <= floor + 1e-9
-        assert res[0]["note"] is None or access.proxy != "query"
-        if access.proxy != "query":
-            assert "runs as each layer's own query" in res[0]["note"]
+        assert res[0]["note"] is None
         layers = engine.llm.llm_engine.model_config.hf_config.num_hidden_layers
         assert timing["select_choices"] > 0 and timing["select_choices"] % layers == 0
     # the plans are hybrid by default; told to read only its own pages, a request does so
@@ -681,6 +676,17 @@ def test_query_aware_access_is_lossless_in_vllm(engine, cases, baseline):
     assert mixed[0]["access"] == "static" and mixed[0]["tokens"] == baseline[0][:n]
     assert all(rec[6] == 0 for rec in step_log())  # static pages: nothing chosen
     assert mixed[0]["retained_ratio"] == pytest.approx(mixed[0]["plan_retained_ratio"], abs=1e-6)
+    (es,) = generate(
+        engine,
+        [cases[0].ids],
+        [cases[0].plan],
+        max_tokens=8,
+        honor_predicted_loss=False,
+        access=AccessPolicy(mode="dynamic", budget=0.3, proxy="es-mid"),
+    )
+    assert es["status"] == "refused" and "access proxy es-mid" in es["reason"]
+    assert "EarlySelectKV" in es["reason"] and es["proposed"] == 0
+    assert es["tokens"] == baseline[0][:8]
 
 
 def test_a_bad_access_option_is_refused_with_the_reason(engine, cases, baseline):
@@ -736,10 +742,11 @@ def _check_wrong_key(worker) -> str:
     from kapc.runtime.vllm import compat
 
     p = worker.model_runner.drafter
-    attn = compat.attention_modules(p.vllm_config, p._layout)[0]
+    layout = p.setup.layout
+    attn = compat.attention_modules(p.vllm_config, layout)[0]
     wrong = torch.full((attn.num_kv_heads, attn.head_size), 1234.5)
     try:
-        compat.find_key_reader(p.vllm_config, p._layout, slot=p.block_size + 1, key=wrong)
+        compat.find_key_reader(p.vllm_config, layout, slot=p.block_size + 1, key=wrong)
     except compat.UnsupportedAttention as exc:
         return str(exc)
     return ""
@@ -763,14 +770,19 @@ def _dynamic_run(engine, case, tokens: int = 16) -> dict:
 
 
 def _key_layout(worker, value):
-    """Set the proposer's verdict on where keys live; returns the one it had."""
-    p = worker.model_runner.drafter
-    before, p._key_layout = p._key_layout, value
+    """Set the proposer's verdict on where keys live ((reader, why unreadable); None: not yet
+    looked for, as on a fresh engine; a string: unreadable for that reason); returns the one it
+    had."""
+    keys = worker.model_runner.drafter.keys
+    before = (keys.reader, keys.unreadable)
+    if value is None or isinstance(value, str):
+        value = ("", value)
+    keys.reader, keys.unreadable = value
     return before
 
 
 def _key_reader(worker) -> str:
-    return worker.model_runner.drafter._key_reader
+    return worker.model_runner.drafter.keys.reader
 
 
 def test_unreadable_keys_turn_query_aware_pages_off(engine, cases, baseline):

@@ -29,7 +29,7 @@ def test_compact_view_refuses_sliding_window(tmp_path):
     from transformers import LlamaConfig, MistralConfig
 
     from kapc.runtime.vllm import VLLMUnsupported, check_model_supported
-    from kapc.runtime.vllm.proposer import attention_problems
+    from kapc.runtime.vllm.engine_setup import attention_problems
 
     assert attention_problems(LlamaConfig()) == []
     assert any("sliding-window" in p for p in attention_problems(MistralConfig(sliding_window=256)))
@@ -123,11 +123,12 @@ def test_a_profile_measured_with_another_setup_is_named(monkeypatch):
     weights than the engine runs (a profile from before either was recorded counts as vLLM's
     kernel and the model's weights); reasons after the setting do not count as a difference."""
     from kapc.profile import Profile
-    from kapc.runtime.vllm import proposer
+    from kapc.runtime.vllm import engine_setup
 
     said = []
-    monkeypatch.setattr(proposer.log, "warning", lambda msg, *a: said.append(msg % a))
-    p = proposer.KapProposer.__new__(proposer.KapProposer)  # no engine: only the check runs
+    monkeypatch.setattr(engine_setup.log, "warning", lambda msg, *a: said.append(msg % a))
+    p = engine_setup.EngineSetup.__new__(engine_setup.EngineSetup)  # no engine: the check only
+    p.kind = "vllm-cpu"
     p.attention_kernel, p.draft_weights = "kapc's", "bfloat16 copies"
     base = dict(
         engine="vllm-cpu",
@@ -140,20 +141,19 @@ def test_a_profile_measured_with_another_setup_is_named(monkeypatch):
         block_size=32,
         created="now",
     )
-    p._profile = Profile(**base, attention_kernel="kapc's", draft_weights="bfloat16 copies")
-    p._warn_of_another_setup()
+    p.check_profile(Profile(**base, attention_kernel="kapc's", draft_weights="bfloat16 copies"))
     assert said == []
-    p._profile = Profile(**base, attention_kernel="kapc's")  # before draft weights were recorded
-    p._warn_of_another_setup()
+    p.check_profile(
+        Profile(**base, attention_kernel="kapc's")
+    )  # before draft weights were recorded
     assert len(said) == 1 and "draft weights: the model's; this engine runs bfloat16" in said[0]
     said.clear()
     p.attention_kernel = "vLLM's: no compiler"
     p.draft_weights = "the model's (float32): KAPC_DRAFT_WEIGHTS=float32"
-    p._warn_of_another_setup()
+    p.check_profile(Profile(**base, attention_kernel="kapc's"))
     assert len(said) == 1 and "attention kernel: kapc's; this engine runs vLLM's" in said[0]
-    p._profile = None
-    p._warn_of_another_setup()
-    assert len(said) == 1
+    p.check_profile(None)  # no profile at all: said, with what to run
+    assert len(said) == 2 and "kapc calibrate measure" in said[1]
 
 
 def test_an_engine_runs_the_models_stored_dtype_where_the_cpu_can():

@@ -109,7 +109,7 @@ def check_model_supported(model_dir) -> None:
     attention (sliding windows, non-full-attention layers, ALiBi, MLA)."""
     from transformers import AutoConfig
 
-    from kapc.runtime.vllm.proposer import attention_problems
+    from kapc.runtime.vllm.engine_setup import attention_problems
 
     cfg = AutoConfig.from_pretrained(str(model_dir))
     problems = attention_problems(cfg)
@@ -201,21 +201,9 @@ def make_engine(
     from vllm import LLM
 
     on_cpu = not torch.cuda.is_available()
-    if dtype is None:
-        dtype = default_dtype(on_cpu, model_dir)
-        note = bfloat16_note(model_dir)
-        if note:
-            print(f"kapc: {note}", file=sys.stderr)
-    if on_cpu:
-        plan = size_cpu_engine(
-            model_dir,
-            dtype,
-            max_model_len,
-            max_num_seqs,
-            requested_gib=kv_cache_gib,
-            draft_copies=method == "kapc",
-        )
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(plan.kv_cache_gib)
+    dtype, memory = _dtype_and_memory(
+        model_dir, dtype, on_cpu, max_model_len, max_num_seqs, kv_cache_gib, method == "kapc"
+    )
     kwargs = dict(
         model=model_dir,
         dtype=dtype,
@@ -228,21 +216,7 @@ def make_engine(
         kwargs["enforce_eager"] = True
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
-    if method == "kapc":
-        kwargs["speculative_config"] = {
-            "method": "custom_class",
-            "model": PROPOSER_CLASS,
-            "num_speculative_tokens": k,
-        }
-        kwargs["scheduler_cls"] = SCHEDULER_CLASS
-        kwargs["worker_extension_cls"] = WORKER_EXTENSION_CLASS
-    elif method == "ngram":
-        kwargs["speculative_config"] = {
-            "method": "ngram",
-            "num_speculative_tokens": k,
-            "prompt_lookup_max": ngram_max,
-            "prompt_lookup_min": ngram_min,
-        }
+    kwargs.update(_speculation(method, k, ngram_max, ngram_min))
     kwargs.update(llm_kwargs)
     llm = LLM(**kwargs)
     if method == "kapc":
@@ -255,8 +229,56 @@ def make_engine(
         model_dir=model_dir,
         method=method,
         dtype=dtype,
-        memory=plan.describe() if on_cpu else "",
+        memory=memory,
     )
+
+
+def _dtype_and_memory(
+    model_dir, dtype, on_cpu: bool, max_model_len, max_num_seqs: int, kv_cache_gib, hook: bool
+) -> tuple[str, str]:
+    """An engine's dtype (the model's stored one where the machine runs it, said when not) and,
+    on a CPU, its KV cache sized for the machine (set for vLLM; described for the report)."""
+    if dtype is None:
+        dtype = default_dtype(on_cpu, model_dir)
+        note = bfloat16_note(model_dir)
+        if note:
+            print(f"kapc: {note}", file=sys.stderr)
+    if not on_cpu:
+        return dtype, ""
+    sized = size_cpu_engine(
+        model_dir,
+        dtype,
+        max_model_len,
+        max_num_seqs,
+        requested_gib=kv_cache_gib,
+        draft_copies=hook,
+    )
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(sized.kv_cache_gib)
+    return dtype, sized.describe()
+
+
+def _speculation(method: str, k: int, ngram_max: int, ngram_min: int) -> dict:
+    """The `vllm.LLM` arguments of a speculation method: kapc's hook, vLLM's ngram, or none."""
+    if method == "kapc":
+        return {
+            "speculative_config": {
+                "method": "custom_class",
+                "model": PROPOSER_CLASS,
+                "num_speculative_tokens": k,
+            },
+            "scheduler_cls": SCHEDULER_CLASS,
+            "worker_extension_cls": WORKER_EXTENSION_CLASS,
+        }
+    if method == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": k}
+        return {
+            "speculative_config": {
+                **spec,
+                "prompt_lookup_max": ngram_max,
+                "prompt_lookup_min": ngram_min,
+            }
+        }
+    return {}
 
 
 def size_cpu_engine(
@@ -324,14 +346,15 @@ def sampling_params(
     extra = {}
     data = _plan_bytes(plan)
     if data is not None:
-        from kapc.runtime.vllm.proposer import OPTS_KEY, PLAN_KEY
+        from kapc.runtime.session import OPTS_KEY, PLAN_KEY
 
         extra[PLAN_KEY] = data
         extra[OPTS_KEY] = {
             "honor_predicted_loss": bool(honor_predicted_loss),
-            "k": int(k or 0),
             "min_acceptance": bool(min_acceptance),
         }
+        if k:
+            extra[OPTS_KEY]["k"] = int(k)
         if accept is not None:
             extra[OPTS_KEY]["accept"] = _checked_accept(accept)
         if access is not None:
@@ -339,7 +362,7 @@ def sampling_params(
 
             extra[OPTS_KEY]["access"] = msgspec.to_builtins(access)
     if tag is not None:
-        from kapc.runtime.vllm.proposer import TAG_KEY
+        from kapc.runtime.session import TAG_KEY
 
         extra[TAG_KEY] = tag
     kw.setdefault("temperature", 0.0)
@@ -373,20 +396,9 @@ def generate(
     (a kapc.policy.AccessPolicy, or a list of them, one per prompt) the plans' access policy;
     `honor_predicted_loss` may be given per prompt (False: the plan drafts whenever it can)."""
     prompts = [[int(t) for t in p] for p in prompts_token_ids]
-    if plans is None:
-        plans = [None] * len(prompts)
-    if len(plans) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts but {len(plans)} plans")
-    honor = (
-        [bool(honor_predicted_loss)] * len(prompts)
-        if isinstance(honor_predicted_loss, bool)
-        else list(honor_predicted_loss)
-    )
-    if len(honor) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts but {len(honor)} honor_predicted_loss flags")
-    accesses = access if isinstance(access, list) else [access] * len(prompts)
-    if len(accesses) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts but {len(accesses)} access policies")
+    plans = _per_prompt(plans, len(prompts), "plans")
+    honor = _per_prompt(honor_predicted_loss, len(prompts), "honor_predicted_loss flags")
+    accesses = _per_prompt(access, len(prompts), "access policies")
     run = uuid.uuid4().hex[:8]
     tags = [f"{run}-{i}" for i in range(len(prompts))]
     sps = [
@@ -414,49 +426,55 @@ def generate(
         # the batch's seconds before the step policy's first forecast step: its prefill
         timing["unforecast_s"] = max(0.0, timing.pop("forecast_from") - began)
     reqs = stats.get("requests", {})
-    results = []
-    for i, (o, tag) in enumerate(zip(outs, tags)):
-        c = o.outputs[0]
-        st = reqs.get(tag, {})
-        toks = list(c.token_ids)
-        steps = st.get("steps", 0)
-        r = {
-            "tokens": toks,
-            "text": c.text,
-            "finish_reason": c.finish_reason,
-            "prompt_tokens": len(prompts[i]),
-            "generated_tokens": len(toks),
-            "status": st.get("status", "none" if plans[i] is None else "off"),
-            "reason": st.get("reason")
-            if engine.hook or plans[i] is None
-            else "engine started without kapc's hook",
-            "note": st.get("note"),
-            "plan": st.get("plan"),
-            "k": st.get("k", 0),
-            "accept": st.get("accept"),
-            "proposed": st.get("proposed", 0),
-            "accepted": st.get("accepted", 0),
-            "acceptance_rate": st.get("acceptance_rate"),
-            "accepted_per_pos": st.get("accepted_per_pos", []),
-            "held": st.get("held", 0),  # steps the step policy kept this row from drafting
-            "retained_ratio": st.get("retained_ratio"),
-            "plan_retained_ratio": st.get("plan_retained_ratio"),
-            "visible_prompt_tokens": st.get("visible_prompt_tokens", 0),
-            "cycles": max(0, steps - 1),
-            "tokens_per_cycle": (len(toks) - 1) / (steps - 1) if steps > 1 else None,
-            "speedup_predicted": st.get("speedup_predicted"),
-            "access": st.get("access", "static"),
-            "batch_s": wall,
-        }
-        results.append(r)
+    results = [
+        _result(o.outputs[0], _report_of(reqs.get(tag), tag, plan is not None, engine.hook), wall)
+        | {"prompt_tokens": len(prompt)}
+        for o, tag, plan, prompt in zip(outs, tags, plans, prompts)
+    ]
     if results:
-        results[0]["timing"] = timing
-        results[0]["policy"] = stats.get("policy")
-        results[0]["profile_factors"] = stats.get("profile_factors")
-        results[0]["step_totals"] = stats.get("step_totals")
-        results[0]["attention_kernel"] = stats.get("attention_kernel")
+        for key in ("policy", "profile_factors", "step_totals", "attention_kernel"):
+            results[0][key] = stats.get(key)
         results[0]["draft_weights"] = stats.get("draft_weights")
+        results[0]["timing"] = timing
     return results
+
+
+def _per_prompt(value, n: int, what: str) -> list:
+    """One value per prompt: a list of n, or one value (None for plans) for every prompt."""
+    if value is None or not isinstance(value, list):
+        return [value] * n
+    if len(value) != n:
+        raise ValueError(f"{n} prompts but {len(value)} {what}")
+    return list(value)
+
+
+def _result(completion, report, wall: float) -> dict:
+    """One prompt's row of `generate`: its RunReport and what vLLM decoded."""
+    toks = list(completion.token_ids)
+    steps = report.steps
+    return {
+        **report.as_dict(),
+        "tokens": toks,
+        "text": completion.text,
+        "finish_reason": completion.finish_reason,
+        "generated_tokens": len(toks),
+        "cycles": max(0, steps - 1),  # engine steps after the prefill's
+        "tokens_per_cycle": (len(toks) - 1) / (steps - 1) if steps > 1 else None,
+        "batch_s": wall,
+    }
+
+
+def _report_of(stats: dict | None, tag: str, planned: bool, hooked: bool):
+    """A request's RunReport from the hook's statistics (or what stands for it without them)."""
+    import msgspec
+
+    from kapc.runtime.session import RunReport
+
+    if stats is not None:
+        return msgspec.convert(stats, RunReport)
+    if planned and not hooked:
+        return RunReport(tag=tag, status="off", reason="engine started without kapc's hook")
+    return RunReport(tag=tag, status="none" if not planned else "off")
 
 
 _ENGINES: dict = {}
@@ -505,25 +523,13 @@ def run_plan_vllm(
     source: str = "<plan>",
     **engine_kwargs,
 ) -> dict:
-    from kapc.models import MODELS
+    from kapc.runtime.run import run_result, with_full_context
 
     h = plan.header
     if accept is not None:
         _checked_accept(accept)
     kk = int(k if k is not None else h.k)
-    if engine is None:
-        model_dir = model or None
-        if model_dir is None and (h.model in MODELS or (h.model and Path(h.model).is_dir())):
-            model_dir = h.model
-        bs = engine_block_size(h.block_size)
-        key = (str(model_dir), bs, kk)
-        engine = _ENGINES.get(key)
-        if engine is None:
-            max_len = max(2048, h.prompt_tokens + max_tokens + 4 * kk + 2 * bs)
-            engine_kwargs.setdefault("max_model_len", max_len)
-            engine_kwargs.setdefault("in_process", True)  # starts in ~30 s instead of ~2 min
-            engine = make_engine(model_dir, block_size=bs, k=kk, **engine_kwargs)
-            _ENGINES[key] = engine
+    engine = engine or _engine_for(h, model, kk, max_tokens, engine_kwargs)
     ids = [int(t) for t in plan.prompt_token_ids]
     full = None
     if compare_full:
@@ -538,10 +544,51 @@ def run_plan_vllm(
         honor_predicted_loss=honor_predicted_loss,
         accept=accept,
     )[0]
-    tm = res.get("timing", {})
-    decode_s = res["batch_s"]
-    prop = float(tm.get("propose_s", 0.0))
-    timing = {
+    out = run_result(
+        plan,
+        _report_of(res, "", True, engine.hook),
+        source=source,
+        engine="vllm",
+        model=engine.model_dir,
+        device="cpu" if _on_cpu() else "cuda",
+        dtype=engine.dtype,
+        block_size=engine.block_size,
+        tokens=res["tokens"],
+        text=res["text"],
+        finish_reason="eos" if res["finish_reason"] == "stop" else res["finish_reason"],
+        cycles=res["cycles"],
+        timing=_run_timing(res),
+    )
+    if compare_full:
+        with_full_context(out, full["tokens"], full["text"], _run_timing(full))
+    return out
+
+
+def _engine_for(header, model, k: int, max_tokens: int, engine_kwargs: dict) -> KapEngine:
+    """The process's engine for a plan (model, block size, k), started at first use."""
+    from kapc.models import MODELS
+
+    model_dir = model or None
+    if model_dir is None and (
+        header.model in MODELS or (header.model and Path(header.model).is_dir())
+    ):
+        model_dir = header.model
+    bs = engine_block_size(header.block_size)
+    key = (str(model_dir), bs, k)
+    if key not in _ENGINES:
+        max_len = max(2048, header.prompt_tokens + max_tokens + 4 * k + 2 * bs)
+        engine_kwargs.setdefault("max_model_len", max_len)
+        engine_kwargs.setdefault("in_process", True)  # starts in ~30 s instead of ~2 min
+        _ENGINES[key] = make_engine(model_dir, block_size=bs, k=k, **engine_kwargs)
+    return _ENGINES[key]
+
+
+def _run_timing(res: dict) -> dict:
+    """`kapc run`'s timing keys for one `generate` row (the whole batch's wall time is decode
+    time: its prompt was prefilled before)."""
+    tm = res.get("timing") or {}
+    decode_s, prop = res["batch_s"], float(tm.get("propose_s", 0.0))
+    return {
         "prefill_s": 0.0,
         "decode_s": decode_s,
         "proposal_s": prop,
@@ -554,63 +601,6 @@ def run_plan_vllm(
         "decode_tokens": res["generated_tokens"],
         "decode_tok_per_s": res["generated_tokens"] / decode_s if decode_s else None,
     }
-    mode = "plan" if res["status"] == "plan" or res["proposed"] else "full"
-    out = {
-        "plan": h.name,
-        "source": source,
-        "engine": "vllm",
-        "model": engine.model_dir,
-        "device": "cpu" if _on_cpu() else "cuda",
-        "dtype": engine.dtype,
-        "prompt_tokens": len(ids),
-        "text": res["text"],
-        "tokens": res["tokens"],
-        "generated_tokens": res["generated_tokens"],
-        "finish_reason": "eos" if res["finish_reason"] == "stop" else res["finish_reason"],
-        "mode": mode,
-        "fallback_reason": res["reason"],
-        "note": res["note"],
-        "accept": res["accept"] or accept or h.accept,
-        "k": res["k"],
-        "block_size": engine.block_size,
-        "retained_ratio": res["retained_ratio"],
-        "plan_retained_ratio": h.retained_ratio,
-        "visible_prompt_tokens": res["visible_prompt_tokens"],
-        "proposed": res["proposed"],
-        "accepted": res["accepted"],
-        "acceptance_rate": res["acceptance_rate"],
-        "tokens_per_cycle": res["tokens_per_cycle"],
-        "cycles": res["cycles"],
-        "speedup_predicted": h.cost.speedup,
-        "cost": {
-            "weight_bytes": h.cost.weight_bytes,
-            "kv_bytes": h.cost.kv_bytes,
-            "batch": h.cost.batch,
-            "s": h.cost.s,
-            "h": h.cost.h,
-            "k": h.cost.k,
-            "pays": h.cost.pays,
-        },
-        "timing": timing,
-    }
-    if compare_full:
-        fs = full["batch_s"]
-        out["full_text"] = full["text"]
-        out["full_tokens"] = full["tokens"]
-        out["identical_to_full"] = full["tokens"] == res["tokens"]
-        out["full_timing"] = {
-            "prefill_s": 0.0,
-            "decode_s": fs,
-            "proposal_s": 0.0,
-            "verify_s": fs,
-            "gather_s": 0.0,
-            "other_s": 0.0,
-            "decode_tokens": full["generated_tokens"],
-            "decode_tok_per_s": full["generated_tokens"] / fs if fs else None,
-        }
-        fp, pp = out["full_timing"]["decode_tok_per_s"], timing["decode_tok_per_s"]
-        out["speedup_measured"] = pp / fp if fp and pp else None
-    return out
 
 
 def engine_block_size(plan_block_size: int, on_cpu: bool | None = None) -> int:

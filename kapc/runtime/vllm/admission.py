@@ -13,15 +13,26 @@ Torch-free, vLLM-free: the worker calls it with plain values.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
+import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kapc.errors import KapcError
+from kapc.runtime.session import (
+    OPTS_KEY,
+    PLAN_KEY,
+    PRIOR_KEY,
+    EngineRules,
+    PlanSession,
+    request_options,
+)
 
-PRIOR_KEY = "kapc_prior"  # SamplingParams.extra_args key holding the prior (JSON text or object)
+log = logging.getLogger("vllm.kapc")
 CACHED_PLANS = 256  # compiled plans kept per engine, least recently used dropped first
 
 
@@ -84,3 +95,55 @@ class PlanCompiler:
         while len(self._plans) > self.capacity:
             self._plans.popitem(last=False)
         return Compiled(data=data, seconds=time.perf_counter() - t0, cached=False)
+
+
+def admit_request(
+    s: PlanSession,
+    extra: dict,
+    prompt_ids,
+    rules: Callable[[], EngineRules],
+    compiler: Callable[[], PlanCompiler],
+    random_sampling: bool = False,
+) -> None:
+    """Admit the plan a request carries in its `extra_args` (a .kapb, or a prior compiled here
+    by `compiler()`), if any, under the engine's `rules()`; a request whose plan cannot apply is
+    refused with the reason."""
+    data = _plan_data(s, extra, compiler)
+    if data is None:
+        return
+    try:
+        opts = request_options(extra.get(OPTS_KEY))
+    except KapcError as exc:
+        s.refuse(f"plan refused: {exc}", exc)
+        return
+    s.admit(data, prompt_ids, opts, rules(), random_sampling=random_sampling)
+
+
+def _plan_data(s: PlanSession, extra: dict, compiler: Callable[[], PlanCompiler]) -> bytes | None:
+    """The .kapb bytes a request carries, or compiled from its prior (None: no plan, or refused
+    with the reason)."""
+    data = extra.get(PLAN_KEY)
+    if data is not None:
+        s.source = "kapb"
+        if not isinstance(data, str):
+            return bytes(data)
+        try:  # text, e.g. from the OpenAI server's `vllm_xargs`
+            return base64.b64decode(data, validate=True)
+        except ValueError:
+            s.refuse(f"plan refused: {PLAN_KEY} text is not base64 (of a .kapb)")
+            return None
+    if extra.get(PRIOR_KEY) is None:
+        return None
+    s.source = "prior"
+    try:
+        compiled = compiler().compile(extra[PRIOR_KEY])
+    except KapcError as exc:
+        s.refuse(f"prior refused: {exc}", exc)
+        return None
+    except Exception as exc:  # noqa: BLE001 - one request's prior must not stop the engine
+        log.exception("kapc: compiling the prior of request %s failed", s.tag)
+        s.refuse(f"prior refused: the compiler failed on it ({type(exc).__name__}: {exc})")
+        return None
+    # compilation runs in the engine's step: the figure is reported
+    s.compile_s, s.compile_cached = compiled.seconds, compiled.cached
+    return compiled.data

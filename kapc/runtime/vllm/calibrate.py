@@ -45,7 +45,6 @@ class VllmBench:
             default_dtype,
             engine_block_size,
             engine_kind,
-            size_cpu_engine,
         )
 
         check_vllm_version()
@@ -70,34 +69,7 @@ class VllmBench:
         self.threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
         # every row's prompt KV stays cached (one prefill per prompt per engine), plus room to decode
         self.max_context, self.max_batch = max_context, max_batch
-        if self.engine == "vllm-cpu":
-            # every row stays cached, so the whole batch must fit, not just one sequence
-            plan = size_cpu_engine(
-                self.model_dir,
-                self.dtype,
-                max_context + 1024,
-                max_batch,
-                requested_gib=kv_cache_gib,
-                draft_copies=True,
-                what="kapc calibrate",
-            )
-            if kv_cache_gib is None and plan.kv_cache_gib < plan.wanted_gib:
-                per_row = plan.wanted_gib / max_batch
-                fits = [
-                    b
-                    for b in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-                    if b * per_row <= plan.room_gib
-                ]
-                raise KapcError(
-                    f"kapc calibrate: batch {max_batch} at {max_context} tokens needs a "
-                    f"{plan.wanted_gib:.1f} GiB KV cache and {plan.room_gib:.1f} GiB is left "
-                    f"for it beside {plan.weights_gib:.1f} GiB of weights; time smaller batches"
-                    + (f" (--batches up to {max(fits)})" if fits else "")
-                    + " or shorter contexts (--contexts)"
-                )
-            self.kv_cache_gib = plan.kv_cache_gib
-        else:
-            self.kv_cache_gib = kv_cache_gib
+        self.kv_cache_gib = self._kv_cache(kv_cache_gib) if self.device == "cpu" else kv_cache_gib
         self.note = "rows decode distinct prompts; plans are synthetic selections of s of a prompt"
         # how kapc's engine runs (calibrate.ENGINE_SETUP; the proposer says, once it is up)
         self.attention_kernel = self.draft_weights = ""
@@ -106,6 +78,37 @@ class VllmBench:
         self._method = None
         self._warm: dict[int, int] = {}  # row -> the longest prefix of it prefilled
         self._accept_cases = None
+
+    def _kv_cache(self, requested_gib: float | None) -> float:
+        """The CPU KV cache for every row cached at once (not just one sequence), or a
+        KapcError naming the batches that fit."""
+        from kapc.runtime.vllm import size_cpu_engine
+
+        B, L = self.max_batch, self.max_context
+        plan = size_cpu_engine(
+            self.model_dir,
+            self.dtype,
+            L + 1024,
+            B,
+            requested_gib=requested_gib,
+            draft_copies=True,
+            what="kapc calibrate",
+        )
+        if requested_gib is None and plan.kv_cache_gib < plan.wanted_gib:
+            per_row = plan.wanted_gib / B
+            fits = [
+                b
+                for b in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+                if b * per_row <= plan.room_gib
+            ]
+            raise KapcError(
+                f"kapc calibrate: batch {B} at {L} tokens needs a "
+                f"{plan.wanted_gib:.1f} GiB KV cache and {plan.room_gib:.1f} GiB is left "
+                f"for it beside {plan.weights_gib:.1f} GiB of weights; time smaller batches"
+                + (f" (--batches up to {max(fits)})" if fits else "")
+                + " or shorter contexts (--contexts)"
+            )
+        return plan.kv_cache_gib
 
     # ---- engines ---------------------------------------------------------------------------
     def _engine(self, method: str):

@@ -108,38 +108,11 @@ def draft_logits(
     a copy), for per-layer edits from `attention_pre_hooks`. `weights`: the reduced-precision
     copies the forward reads instead of the engine's own."""
     from vllm.forward_context import set_forward_context
-    from vllm.v1.attention.backend import CommonAttentionMetadata
 
     n = len(tables)
-    device = runner.device
-    width = max(len(t) for t in tables)
-    bt = torch.zeros((n, width), dtype=torch.int32)
-    for j, t in enumerate(tables):
-        bt[j, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
-    qsl_cpu = torch.arange(n + 1, dtype=torch.int32)
-    slot_t = torch.tensor(slots, dtype=torch.int64)
-    pos_t = torch.tensor(positions, dtype=torch.int64)
-    ids_t = torch.tensor(token_ids, dtype=torch.int64)
-    seq_lens_t, qsl = seq_lens_cpu, qsl_cpu
-    if device.type != "cpu":
-        bt, seq_lens_t, qsl = bt.to(device), seq_lens_cpu.to(device), qsl_cpu.to(device)
-        slot_t, pos_t, ids_t = slot_t.to(device), pos_t.to(device), ids_t.to(device)
-    cam = CommonAttentionMetadata(
-        query_start_loc=qsl,
-        query_start_loc_cpu=qsl_cpu,
-        seq_lens=seq_lens_t,
-        num_reqs=n,
-        num_actual_tokens=n,
-        max_query_len=1,
-        max_seq_len=max(seq_lens),
-        block_table_tensor=bt,
-        slot_mapping=slot_t,
-        causal=True,
-        positions=pos_t,
-        seq_lens_cpu_upper_bound=seq_lens_cpu,
+    meta, bt, slot_t, pos_t, ids_t = _draft_metadata(
+        runner.device, layout, tables, seq_lens, slots, positions, token_ids, step
     )
-    meta = layout.builder.build_for_drafting(common_attn_metadata=cam, draft_index=step)
     if on_block_table is not None:
         if getattr(meta, "block_table", None) is not bt:
             raise UnsupportedAttention(
@@ -276,6 +249,42 @@ def before_rejection_sampling(runner, adjust) -> None:
 
     rs.forward = wrapped
     rs._kapc_wrapped = True
+
+
+def _draft_metadata(device, layout, tables, seq_lens, slots, positions, token_ids, step: int):
+    """The attention metadata of one draft forward (its block table is `tables`, zero-padded),
+    and the slot, position and token tensors it reads."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    n = len(tables)
+    bt = torch.zeros((n, max(len(t) for t in tables)), dtype=torch.int32)
+    for j, t in enumerate(tables):
+        bt[j, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+    qsl_cpu = torch.arange(n + 1, dtype=torch.int32)
+    slot_t = torch.tensor(slots, dtype=torch.int64)
+    pos_t = torch.tensor(positions, dtype=torch.int64)
+    ids_t = torch.tensor(token_ids, dtype=torch.int64)
+    seq_lens_t, qsl = seq_lens_cpu, qsl_cpu
+    if device.type != "cpu":
+        bt, seq_lens_t, qsl = bt.to(device), seq_lens_cpu.to(device), qsl_cpu.to(device)
+        slot_t, pos_t, ids_t = slot_t.to(device), pos_t.to(device), ids_t.to(device)
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl_cpu,
+        seq_lens=seq_lens_t,
+        num_reqs=n,
+        num_actual_tokens=n,
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        block_table_tensor=bt,
+        slot_mapping=slot_t,
+        causal=True,
+        positions=pos_t,
+        seq_lens_cpu_upper_bound=seq_lens_cpu,
+    )
+    meta = layout.builder.build_for_drafting(common_attn_metadata=cam, draft_index=step)
+    return meta, bt, slot_t, pos_t, ids_t
 
 
 def attention_modules(vllm_config, layout: AttentionLayout) -> list:

@@ -68,38 +68,58 @@ def server_command(
     On a CPU the KV cache gets `kv_cache_gib` (default CPU_KV_CACHE_GIB) unless the caller sizes
     it: left to vLLM, the CPU worker asks for 92% of the machine's memory and refuses to start
     whenever slightly less is free, which on a small machine is most of the time."""
-    from kapc.memory import EngineMemoryError
-    from kapc.policy import CPU_BLOCK_MULTIPLE, ENGINE_BLOCK_SIZE
-    from kapc.runtime.vllm import (
-        PROPOSER_CLASS,
-        SCHEDULER_CLASS,
-        WORKER_EXTENSION_CLASS,
-        VLLMUnsupported,
-        check_model_supported,
-        check_vllm_version,
-        default_dtype,
-        engine_kind,
-        size_cpu_engine,
-    )
+    from kapc.runtime.vllm import default_dtype
     from kapc.runtime.vllm.compat import api_server_module
+
+    model_dir = _server_model(model, hook)
+    on_cpu, block_size = _server_blocks(block_size)
+    if k < 1:
+        raise ServeError(f"--k {k}: the proposal length must be at least 1")
+    name = served_model_name or model_dir.name
+    dtype = dtype or default_dtype(on_cpu, model_dir)
+    argv = [sys.executable, "-m", api_server_module(), "--model", str(model_dir)]
+    argv += ["--served-model-name", name, "--host", host, "--port", str(port)]
+    argv += ["--block-size", str(block_size), "--dtype", dtype]
+    if on_cpu:
+        argv.append("--enforce-eager")
+        argv += _cpu_kv_cache(model_dir, dtype, max_model_len, kv_cache_gib, hook, extra)
+    if max_model_len is not None:
+        argv += ["--max-model-len", str(max_model_len)]
+    if hook:
+        argv += _hook_arguments(k)
+    argv += list(extra)
+    return ServerCommand(
+        argv=argv,
+        url=f"http://{_url_host(host)}:{port}/v1",
+        model_name=name,
+        k=int(k),
+        block_size=int(block_size),
+        hook=hook,
+    )
+
+
+def _server_model(model: str | None, hook: bool):
+    """The model folder a server runs, checked for this vLLM and (with the hook) for kapc."""
+    from kapc.models import ModelError, resolve
+    from kapc.runtime.vllm import VLLMUnsupported, check_model_supported, check_vllm_version
 
     try:
         check_vllm_version()
-    except VLLMUnsupported as exc:
-        raise ServeError(str(exc)) from None
-    from kapc.models import ModelError, resolve
-
-    try:
         model_dir = resolve(model, weights=True)[0]
-    except ModelError as exc:
-        raise ServeError(str(exc)) from None
-    if not (model_dir / "config.json").is_file():
-        raise ServeError(f"{model}: not a model folder (no config.json)")
-    if hook:
-        try:
+        if not (model_dir / "config.json").is_file():
+            raise ServeError(f"{model}: not a model folder (no config.json)")
+        if hook:
             check_model_supported(model_dir)
-        except VLLMUnsupported as exc:
-            raise ServeError(str(exc)) from None
+    except (VLLMUnsupported, ModelError) as exc:
+        raise ServeError(str(exc)) from None
+    return model_dir
+
+
+def _server_blocks(block_size: int | None) -> tuple[bool, int]:
+    """(whether the engine runs on a CPU, its KV block size)."""
+    from kapc.policy import CPU_BLOCK_MULTIPLE, ENGINE_BLOCK_SIZE
+    from kapc.runtime.vllm import engine_kind
+
     kind = engine_kind()
     on_cpu = kind == "vllm-cpu"
     if block_size is None:
@@ -111,75 +131,50 @@ def server_command(
             f"(a {CPU_BLOCK_MULTIPLE}-token block is visible when any of its tokens "
             f"is), so keep the default"
         )
-    if k < 1:
-        raise ServeError(f"--k {k}: the proposal length must be at least 1")
-    name = served_model_name or model_dir.name
-    dtype = dtype or default_dtype(on_cpu, model_dir)
-    argv = [
-        sys.executable,
-        "-m",
-        api_server_module(),
-        "--model",
-        str(model_dir),
-        "--served-model-name",
-        name,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--block-size",
-        str(block_size),
-        "--dtype",
-        dtype,
-    ]
-    if on_cpu:
-        argv.append("--enforce-eager")
-        sized = any(a.startswith("--kv-cache-memory-bytes") for a in extra) or os.environ.get(
-            "VLLM_CPU_KVCACHE_SPACE"
-        )
-        if kv_cache_gib is not None or not sized:
-            gib = CPU_KV_CACHE_GIB if kv_cache_gib is None else kv_cache_gib
-            try:  # checked here, so a server that cannot fit says so instead of being killed
-                size_cpu_engine(
-                    model_dir,
-                    dtype,
-                    max_model_len,
-                    1,
-                    requested_gib=gib,
-                    draft_copies=hook,
-                    what="kapc serve",
-                )
-            except EngineMemoryError as exc:
-                raise ServeError(str(exc)) from None
-            argv += ["--kv-cache-memory-bytes", str(int(gib * 2**30))]
-    if max_model_len is not None:
-        argv += ["--max-model-len", str(max_model_len)]
-    if hook:
-        argv += [
-            "--speculative-config",
-            json.dumps(
-                {
-                    "method": "custom_class",
-                    "model": PROPOSER_CLASS,
-                    "num_speculative_tokens": int(k),
-                }
-            ),
-            "--scheduler-cls",
-            SCHEDULER_CLASS,
-            "--worker-extension-cls",
-            WORKER_EXTENSION_CLASS,
-            "--middleware",
-            MIDDLEWARE,
-        ]
-    argv += list(extra)
-    return ServerCommand(
-        argv=argv,
-        url=f"http://{_url_host(host)}:{port}/v1",
-        model_name=name,
-        k=int(k),
-        block_size=int(block_size),
-        hook=hook,
+    return on_cpu, block_size
+
+
+def _cpu_kv_cache(model_dir, dtype, max_model_len, kv_cache_gib, hook, extra) -> list[str]:
+    """The CPU KV cache's size argument, checked against the memory free, unless the caller
+    sized it (`--kv-cache-memory-bytes` in `extra`, or VLLM_CPU_KVCACHE_SPACE)."""
+    from kapc.memory import EngineMemoryError
+    from kapc.runtime.vllm import size_cpu_engine
+
+    sized = any(a.startswith("--kv-cache-memory-bytes") for a in extra) or os.environ.get(
+        "VLLM_CPU_KVCACHE_SPACE"
     )
+    if kv_cache_gib is None and sized:
+        return []
+    gib = CPU_KV_CACHE_GIB if kv_cache_gib is None else kv_cache_gib
+    try:  # checked here, so a server that cannot fit says so instead of being killed
+        size_cpu_engine(
+            model_dir,
+            dtype,
+            max_model_len,
+            1,
+            requested_gib=gib,
+            draft_copies=hook,
+            what="kapc serve",
+        )
+    except EngineMemoryError as exc:
+        raise ServeError(str(exc)) from None
+    return ["--kv-cache-memory-bytes", str(int(gib * 2**30))]
+
+
+def _hook_arguments(k: int) -> list[str]:
+    from kapc.runtime.vllm import PROPOSER_CLASS, SCHEDULER_CLASS, WORKER_EXTENSION_CLASS
+
+    spec = {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": int(k)}
+    return [
+        "--speculative-config",
+        json.dumps(spec),
+        "--scheduler-cls",
+        SCHEDULER_CLASS,
+        "--worker-extension-cls",
+        WORKER_EXTENSION_CLASS,
+        "--middleware",
+        MIDDLEWARE,
+    ]
 
 
 def _url_host(host: str) -> str:

