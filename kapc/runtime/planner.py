@@ -113,7 +113,6 @@ class DraftCost:
     select_s: float = 0.0
     predicted: float = 0.0
     select_predicted: float = 0.0
-    first_slot: int = 0  # the KV slot the newest forward's first row wrote its key to
 
 
 class StepPlanner:

@@ -135,3 +135,44 @@ def test_attention_dispatch_sends_few_query_forwards_to_kapcs_kernel():
     assert len(said) == 1 and "float32" in said[0]
     assert (step(2) == -1).all() and len(said) == 1  # and runs everything from then on
     assert ran == [(0, 1), (1, 5)]
+
+
+def test_a_draft_cycle_uploads_once_and_reads_once():
+    """A cycle's inputs are packed on the host once and advanced on the device: every step's
+    table, length, position and slot equal the compact view computed for that step alone, the
+    table is padded to a power of two of blocks, and the whole cycle makes one upload (one more
+    when a row stops early) and one read of the drafts."""
+    import torch
+
+    from kapc.runtime.vllm.draft_inputs import DraftInputs
+
+    rows = [  # (selected full prompt blocks, tail block, newest position, drafts)
+        (np.array([0, 2]), 3, 13, 3),
+        (np.array([1]), 3, 12, 2),  # stops a step early
+    ]
+    per_step = [
+        [compact_row(sel, BLOCKS, tail, pos + j, BS) for j in range(k)]
+        for sel, tail, pos, k in rows
+    ]
+    inputs = DraftInputs(
+        tables=[steps[-1][0] for steps in per_step],
+        seq_lens=[steps[0][1] for steps in per_step],
+        positions=[pos for _, _, pos, _ in rows],
+        slots=[[slot for _, _, slot in steps] for steps in per_step],
+        tokens=[101, 202],
+        device=torch.device("cpu"),
+    )
+    assert inputs.width == 4 and inputs.uploads == 1
+    for step in range(3):
+        x = inputs.at(step)
+        live = inputs.live(step)
+        assert live == [i for i, (*_, k) in enumerate(rows) if k > step]
+        for j, i in enumerate(live):
+            table, seq_len, slot = per_step[i][step]
+            assert x.block_table[j, : len(table)].tolist() == table
+            assert int(x.seq_lens[j]) == seq_len == x.seq_lens_host[j]
+            assert int(x.slots[j]) == slot and int(x.positions[j]) == rows[i][2] + step
+        assert x.token_ids.tolist() == ([101, 202] if step == 0 else [10 * step + i for i in live])
+        inputs.advance(step, torch.tensor([10 * (step + 1) + i for i in live]))
+    assert inputs.uploads == 2 and inputs.reads == 0  # the second: the live rows' index
+    assert inputs.drafts() == [[10, 20, 30], [11, 21]] and inputs.reads == 1

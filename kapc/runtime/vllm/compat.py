@@ -92,34 +92,29 @@ def draft_logits(
     runner,
     vllm_config,
     layout: AttentionLayout,
-    tables: list[list[int]],
-    seq_lens: list[int],
-    slots: list[int],
-    positions: list[int],
-    token_ids: list[int],
+    x,
     step: int,
     on_block_table=None,
     weights: DraftWeights | None = None,
 ) -> torch.Tensor:
     """One forward of the target model for one query token per row, each row attending over its
-    own block table `tables[i]` (a compact view: `seq_lens[i]` tokens) at its true logical
-    position, writing its K/V to `slots[i]`. Returns logits [rows, vocab]. `on_block_table(t)`
-    receives the block table tensor the attention kernel will read (the metadata holds it, not
-    a copy), for per-layer edits from `attention_pre_hooks`. `weights`: the reduced-precision
-    copies the forward reads instead of the engine's own."""
+    own block table (a compact view of `x.seq_lens` tokens) at its true logical position,
+    writing its K/V to its slot (`x`: kapc.runtime.vllm.draft_inputs.StepInputs, on the
+    device). Returns logits [rows, vocab]. `on_block_table(t)` receives the block table tensor
+    the attention kernel will read (the metadata holds it, not a copy), for per-layer edits from
+    `attention_pre_hooks`. `weights`: the reduced-precision copies the forward reads instead of
+    the engine's own."""
     from vllm.forward_context import set_forward_context
 
-    n = len(tables)
-    meta, bt, slot_t, pos_t, ids_t = _draft_metadata(
-        runner.device, layout, tables, seq_lens, slots, positions, token_ids, step
-    )
+    n = len(x.seq_lens_host)
+    meta = _draft_metadata(layout, x, step)
     if on_block_table is not None:
-        if getattr(meta, "block_table", None) is not bt:
+        if getattr(meta, "block_table", None) is not x.block_table:
             raise UnsupportedAttention(
                 "this attention backend copies the block table into its "
                 "metadata; per-layer page choice cannot edit it"
             )
-        on_block_table(bt)
+        on_block_table(x.block_table)
     per_layer = {name: meta for name in layout.layer_names}
     # a layer missing from slot_mapping silently skips its KV write: name every one
     if weights is not None:
@@ -129,15 +124,43 @@ def draft_logits(
             per_layer,
             vllm_config,
             num_tokens=n,
-            slot_mapping={name: slot_t for name in layout.layer_names},
+            slot_mapping={name: x.slots for name in layout.layer_names},
         ):
             hidden = runner.model(
-                input_ids=ids_t, positions=pos_t, intermediate_tensors=None, inputs_embeds=None
+                input_ids=x.token_ids,
+                positions=x.positions,
+                intermediate_tensors=None,
+                inputs_embeds=None,
             )
         return runner.model.compute_logits(hidden)
     finally:
         if weights is not None:
             weights.active = False
+
+
+def _draft_metadata(layout: AttentionLayout, x, step: int):
+    """The attention metadata of one draft forward: one query token per row. Lengths the
+    builder reads on the host come from `x.seq_lens_host`, never from the device."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    n = len(x.seq_lens_host)
+    qsl_cpu = torch.arange(n + 1, dtype=torch.int32)
+    qsl = qsl_cpu if x.seq_lens.device.type == "cpu" else qsl_cpu.to(x.seq_lens.device)
+    cam = CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl_cpu,
+        seq_lens=x.seq_lens,
+        num_reqs=n,
+        num_actual_tokens=n,
+        max_query_len=1,
+        max_seq_len=max(x.seq_lens_host),
+        block_table_tensor=x.block_table,
+        slot_mapping=x.slots,
+        causal=True,
+        positions=x.positions,
+        seq_lens_cpu_upper_bound=torch.tensor(x.seq_lens_host, dtype=torch.int32),
+    )
+    return layout.builder.build_for_drafting(common_attn_metadata=cam, draft_index=step)
 
 
 class DraftWeights:
@@ -249,42 +272,6 @@ def before_rejection_sampling(runner, adjust) -> None:
 
     rs.forward = wrapped
     rs._kapc_wrapped = True
-
-
-def _draft_metadata(device, layout, tables, seq_lens, slots, positions, token_ids, step: int):
-    """The attention metadata of one draft forward (its block table is `tables`, zero-padded),
-    and the slot, position and token tensors it reads."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
-    n = len(tables)
-    bt = torch.zeros((n, max(len(t) for t in tables)), dtype=torch.int32)
-    for j, t in enumerate(tables):
-        bt[j, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    seq_lens_cpu = torch.tensor(seq_lens, dtype=torch.int32)
-    qsl_cpu = torch.arange(n + 1, dtype=torch.int32)
-    slot_t = torch.tensor(slots, dtype=torch.int64)
-    pos_t = torch.tensor(positions, dtype=torch.int64)
-    ids_t = torch.tensor(token_ids, dtype=torch.int64)
-    seq_lens_t, qsl = seq_lens_cpu, qsl_cpu
-    if device.type != "cpu":
-        bt, seq_lens_t, qsl = bt.to(device), seq_lens_cpu.to(device), qsl_cpu.to(device)
-        slot_t, pos_t, ids_t = slot_t.to(device), pos_t.to(device), ids_t.to(device)
-    cam = CommonAttentionMetadata(
-        query_start_loc=qsl,
-        query_start_loc_cpu=qsl_cpu,
-        seq_lens=seq_lens_t,
-        num_reqs=n,
-        num_actual_tokens=n,
-        max_query_len=1,
-        max_seq_len=max(seq_lens),
-        block_table_tensor=bt,
-        slot_mapping=slot_t,
-        causal=True,
-        positions=pos_t,
-        seq_lens_cpu_upper_bound=seq_lens_cpu,
-    )
-    meta = layout.builder.build_for_drafting(common_attn_metadata=cam, draft_index=step)
-    return meta, bt, slot_t, pos_t, ids_t
 
 
 def attention_modules(vllm_config, layout: AttentionLayout) -> list:

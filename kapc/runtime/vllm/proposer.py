@@ -52,6 +52,7 @@ from kapc.runtime.session import (
 from kapc.runtime.vllm import compat
 from kapc.runtime.vllm.admission import PlanCompiler, admit_request
 from kapc.runtime.vllm.compat import UnsupportedAttention
+from kapc.runtime.vllm.draft_inputs import DraftInputs, StepInputs
 from kapc.runtime.vllm.engine_setup import EngineSetup, check_model
 from kapc.runtime.vllm.keys import KeyPages
 from kapc.runtime.vllm.views import compact_row, draft_budget, sampling_is_random, view_blocks
@@ -291,9 +292,8 @@ class KapProposer:
 
     def _draft(self, rows: list[Candidate], token_ids_cpu, cost: DraftCost) -> list[list[int]]:
         """Up to `drafts` drafts per row, one batched forward per draft step for every row
-        still drafting, each over its own compact view."""
-        drafts: list[list[int]] = [[] for _ in rows]
-        tokens = [int(token_ids_cpu[r.row, r.position]) for r in rows]
+        still drafting, each over its own compact view; the cycle's inputs are built once and
+        advanced on the device (draft_inputs), the drafts read back once."""
         dyn = [i for i, r in enumerate(rows) if r.session.access is not None]
         # where this engine keeps keys is found from the first draft forward of a query-aware
         # row, before any bound is read: that cycle drafts on the plans' own pages
@@ -301,77 +301,72 @@ class KapProposer:
         self.keys.probing = probing
         router = self._router([rows[i] for i in dyn]) if dyn and not probing else None
         cost.select_predicted = self.planner.page_choice([rows[i] for i in dyn])
-        live = list(range(len(rows)))
+        began = time.perf_counter()
+        inputs = self._draft_inputs(rows, token_ids_cpu, static=probing)
         for step in range(max(r.drafts for r in rows)):
-            live = [i for i in live if rows[i].drafts > step]
+            live = inputs.live(step)
             routed = [(j, dyn.index(i)) for j, i in enumerate(live) if i in dyn] if router else []
-            nxt = self._draft_step(
-                [rows[i] for i in live],
-                [tokens[i] for i in live],
-                step,
-                router,
-                routed,
-                cost,
-                static=probing,
+            x = inputs.at(step)
+            inputs.advance(step, self._draft_step(x, step, router, routed))
+            cost.predicted += self.planner.draft_forward(
+                len(live), sum(x.seq_lens_host) / len(live)
             )
-            for i, t in zip(live, nxt):
-                drafts[i].append(t)
-                tokens[i] = t
             if probing and step == 0:
-                self._found_keys(cost.first_slot)
+                self._found_keys(inputs.first_slots[0])
+        drafts = inputs.drafts()
+        cost.forward_s = time.perf_counter() - began
         if router is not None:
             cost.select_s = router.seconds
             self.planner.timings.select_choices += router.choices
         return drafts
 
-    def _draft_step(
-        self, rows, tokens, step: int, router, routed, cost: DraftCost, static: bool
-    ) -> list[int]:
-        """One batched draft forward of `rows` at their draft step `step`; `routed`: (row in
-        this forward, row in the router) of those whose pages `router` chooses; `static`: every
-        row reads its plan's own pages (the cycle that finds the engine's key layout)."""
-        views = [
-            compact_row(
-                view_blocks(r.session, static=static),
-                r.blocks,
-                r.session.tail_block,
-                r.position + step,
-                self.block_size,
-            )
-            for r in rows
-        ]
+    def _draft_inputs(self, rows: list[Candidate], token_ids_cpu, static: bool) -> DraftInputs:
+        """A cycle's inputs: each row's compact table at its last draft position, and the
+        slots its drafts write (`static`: every row reads its plan's own pages)."""
+        tables, seq_lens, slots = [], [], []
+        for r in rows:
+            selected, tail = view_blocks(r.session, static=static), r.session.tail_block
+            steps = [
+                compact_row(selected, r.blocks, tail, r.position + j, self.block_size)
+                for j in range(r.drafts)
+            ]
+            tables.append(steps[-1][0])
+            seq_lens.append(steps[0][1])
+            slots.append([slot for _, _, slot in steps])
+        return DraftInputs(
+            tables=tables,
+            seq_lens=seq_lens,
+            positions=[r.position for r in rows],
+            slots=slots,
+            tokens=[int(token_ids_cpu[r.row, r.position]) for r in rows],
+            device=self._runner.device,
+        )
+
+    def _draft_step(self, x: StepInputs, step: int, router, routed):
+        """One batched draft forward at draft step `step`; `routed`: (row in this forward, row
+        in the router) of those whose pages `router` chooses. Returns its drafts, on the
+        device."""
         bind = None
         if routed:
             table_rows = torch.tensor([j for j, _ in routed], dtype=torch.long)
             present = torch.tensor([d for _, d in routed], dtype=torch.long)
             bind = lambda t: router.bind(t, table_rows, present)  # noqa: E731
-        began = time.perf_counter()
         self.keys.router = router if bind is not None else None
         try:
             logits = compat.draft_logits(
                 self._runner,
                 self.vllm_config,
                 self.setup.layout,
-                tables=[v[0] for v in views],
-                seq_lens=[v[1] for v in views],
-                slots=[v[2] for v in views],
-                positions=[r.position + step for r in rows],
-                token_ids=tokens,
+                x,
                 step=step,
                 on_block_table=bind,
                 weights=self.setup.draft_copies,
             )
         finally:
             self.keys.router = None
-        nxt = [int(t) for t in logits.argmax(dim=-1).tolist()]
-        cost.forward_s += time.perf_counter() - began
-        cost.predicted += self.planner.draft_forward(
-            len(views), sum(v[1] for v in views) / len(views)
-        )
-        cost.first_slot = views[0][2]
         self.planner.timings.draft_forwards += 1
-        self.planner.timings.draft_rows += len(rows)
-        return nxt
+        self.planner.timings.draft_rows += len(x.seq_lens_host)
+        return logits.argmax(dim=-1)
 
     # ---- query-aware pages ------------------------------------------------------------------
     def _router(self, rows: list[Candidate]):
