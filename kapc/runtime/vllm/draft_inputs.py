@@ -103,3 +103,17 @@ class DraftInputs:
         self.reads += 1
         rows = self.out.tolist()
         return [row[:k] for row, k in zip(rows, self.steps)]
+
+
+def routed_rows(live: list[int], dyn: list[int], device):
+    """(row in the forward, row in the page choice) of the `live` rows (indices into the cycle's
+    rows) whose pages are chosen by their query (`dyn`), as index tensors on the device, or None
+    when none of them is live: built once per set of live rows, not per step."""
+    pairs = [(j, dyn.index(i)) for j, i in enumerate(live) if i in dyn]
+    if not pairs:
+        return None
+    rows, present = zip(*pairs)
+    return (
+        torch.tensor(rows, dtype=torch.long, device=device),
+        torch.tensor(present, dtype=torch.long, device=device),
+    )

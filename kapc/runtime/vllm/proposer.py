@@ -52,7 +52,7 @@ from kapc.runtime.session import (
 from kapc.runtime.vllm import compat
 from kapc.runtime.vllm.admission import PlanCompiler, admit_request
 from kapc.runtime.vllm.compat import UnsupportedAttention
-from kapc.runtime.vllm.draft_inputs import DraftInputs, StepInputs
+from kapc.runtime.vllm.draft_inputs import DraftInputs, StepInputs, routed_rows
 from kapc.runtime.vllm.engine_setup import EngineSetup, check_model
 from kapc.runtime.vllm.keys import KeyPages
 from kapc.runtime.vllm.views import compact_row, draft_budget, sampling_is_random, view_blocks
@@ -303,9 +303,11 @@ class KapProposer:
         cost.select_predicted = self.planner.page_choice([rows[i] for i in dyn])
         began = time.perf_counter()
         inputs = self._draft_inputs(rows, token_ids_cpu, static=probing)
+        routed, routed_for = None, None
         for step in range(max(r.drafts for r in rows)):
             live = inputs.live(step)
-            routed = [(j, dyn.index(i)) for j, i in enumerate(live) if i in dyn] if router else []
+            if router is not None and live != routed_for:  # built again only as rows stop
+                routed, routed_for = routed_rows(live, dyn, self._runner.device), live
             x = inputs.at(step)
             inputs.advance(step, self._draft_step(x, step, router, routed))
             cost.predicted += self.planner.draft_forward(
@@ -343,14 +345,11 @@ class KapProposer:
         )
 
     def _draft_step(self, x: StepInputs, step: int, router, routed):
-        """One batched draft forward at draft step `step`; `routed`: (row in this forward, row
-        in the router) of those whose pages `router` chooses. Returns its drafts, on the
-        device."""
+        """One batched draft forward at draft step `step`; `routed`: the index tensors of the
+        rows whose pages `router` chooses (`_routed`). Returns its drafts, on the device."""
         bind = None
-        if routed:
-            table_rows = torch.tensor([j for j, _ in routed], dtype=torch.long)
-            present = torch.tensor([d for _, d in routed], dtype=torch.long)
-            bind = lambda t: router.bind(t, table_rows, present)  # noqa: E731
+        if routed is not None:
+            bind = lambda t: router.bind(t, *routed)  # noqa: E731
         self.keys.router = router if bind is not None else None
         try:
             logits = compat.draft_logits(
