@@ -220,7 +220,9 @@ class PlanSession:
         except KapcError as exc:
             self.refuse(f"plan refused: {exc}", exc)
 
-    def _admit(self, plan, prompt_ids, opts: RequestOptions, engine: EngineRules, random) -> None:
+    def _admit(
+        self, plan, prompt_ids, opts: RequestOptions, engine: EngineRules, random_sampling: bool
+    ) -> None:
         if not isinstance(plan, Plan):
             plan = decode_plan(bytes(plan), "<request plan>")
         ids = np.asarray(prompt_ids, dtype=np.int32).reshape(-1)
@@ -240,7 +242,7 @@ class PlanSession:
             engine_k=engine.k,
             accept=opts.accept,
             honor_predicted_loss=opts.honor_predicted_loss and not engine.profiled,
-            random_sampling=random,
+            random_sampling=random_sampling,
             view_blocks=self.view.keep + 1 if self.view is not None else len(blocks),
             workspace_blocks=engine.workspace(opts),
         )

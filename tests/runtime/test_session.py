@@ -131,6 +131,11 @@ def test_the_engines_exceptions_to_the_plans_rules_are_explicit(target, prompt):
     top = admitted(target, prompt, RequestOptions(k=2, accept="top3"))
     assert (top.k, top.topn, top.accept) == (2, 3, "top3")
     assert admitted(target, prompt, RequestOptions(k=0)).status == "fallback"
+    sampled = PlanSession(tag="s")
+    sampled.admit(
+        plan_of(target, prompt), prompt, RequestOptions(), rules(target), random_sampling=True
+    )
+    assert sampled.status == "fallback" and "temperature" in sampled.reason
     narrow = admitted(target, prompt, RequestOptions(max_view_blocks=2), workspace_blocks=64)
     assert narrow.status == "fallback" and narrow.reason.startswith("workspace:")
 

@@ -176,3 +176,28 @@ def test_a_draft_cycle_uploads_once_and_reads_once():
         inputs.advance(step, torch.tensor([10 * (step + 1) + i for i in live]))
     assert inputs.uploads == 2 and inputs.reads == 0  # the second: the live rows' index
     assert inputs.drafts() == [[10, 20, 30], [11, 21]] and inputs.reads == 1
+
+
+def test_generate_takes_one_value_or_one_per_prompt():
+    """`generate`'s per-prompt options: a list or tuple gives one per prompt (its length
+    checked), anything else is every prompt's."""
+    import pytest
+
+    from kapc.runtime.vllm import _per_prompt
+
+    assert _per_prompt(("a", "b"), 2, "plans") == ["a", "b"]
+    assert _per_prompt(["a", "b"], 2, "plans") == ["a", "b"]
+    assert _per_prompt(None, 2, "plans") == [None, None]
+    assert _per_prompt(True, 3, "flags") == [True] * 3
+    with pytest.raises(ValueError, match="2 prompts but 3 plans"):
+        _per_prompt([1, 2, 3], 2, "plans")
+
+
+def test_sampled_requests_are_told_from_greedy_ones():
+    from vllm import SamplingParams
+
+    from kapc.runtime.vllm.admission import sampling_is_random
+
+    assert sampling_is_random(SamplingParams(temperature=0.7))
+    assert not sampling_is_random(SamplingParams(temperature=0.0))
+    assert not sampling_is_random(None)

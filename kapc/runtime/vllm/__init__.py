@@ -441,7 +441,7 @@ def generate(
 
 def _per_prompt(value, n: int, what: str) -> list:
     """One value per prompt: a list of n, or one value (None for plans) for every prompt."""
-    if value is None or not isinstance(value, list):
+    if not isinstance(value, (list, tuple)):
         return [value] * n
     if len(value) != n:
         raise ValueError(f"{n} prompts but {len(value)} {what}")

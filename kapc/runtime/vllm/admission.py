@@ -103,11 +103,11 @@ def admit_request(
     prompt_ids,
     rules: Callable[[], EngineRules],
     compiler: Callable[[], PlanCompiler],
-    random_sampling: bool = False,
+    sampling_params=None,
 ) -> None:
     """Admit the plan a request carries in its `extra_args` (a .kapb, or a prior compiled here
-    by `compiler()`), if any, under the engine's `rules()`; a request whose plan cannot apply is
-    refused with the reason."""
+    by `compiler()`), if any, under the engine's `rules()` and the request's vLLM
+    `sampling_params`; a request whose plan cannot apply is refused with the reason."""
     data = _plan_data(s, extra, compiler)
     if data is None:
         return
@@ -116,7 +116,15 @@ def admit_request(
     except KapcError as exc:
         s.refuse(f"plan refused: {exc}", exc)
         return
-    s.admit(data, prompt_ids, opts, rules(), random_sampling=random_sampling)
+    s.admit(data, prompt_ids, opts, rules(), random_sampling=sampling_is_random(sampling_params))
+
+
+def sampling_is_random(sp) -> bool:
+    """Whether vLLM SamplingParams sample (temperature above zero) rather than decode greedily."""
+    if sp is None:
+        return False
+    t = getattr(sp, "temperature", 0.0)
+    return t is not None and t > 1e-5
 
 
 def _plan_data(s: PlanSession, extra: dict, compiler: Callable[[], PlanCompiler]) -> bytes | None:

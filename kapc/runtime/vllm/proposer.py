@@ -55,7 +55,7 @@ from kapc.runtime.vllm.compat import UnsupportedAttention
 from kapc.runtime.vllm.draft_inputs import DraftInputs, StepInputs, routed_rows
 from kapc.runtime.vllm.engine_setup import EngineSetup, check_model
 from kapc.runtime.vllm.keys import KeyPages
-from kapc.runtime.vllm.views import compact_row, draft_budget, sampling_is_random, view_blocks
+from kapc.runtime.vllm.views import compact_row, draft_budget, view_blocks
 
 # under vLLM's logger, so the lines reach the server's log with its format and level
 log = logging.getLogger("vllm.kapc")
@@ -179,7 +179,7 @@ class KapProposer:
             req.prompt_token_ids,
             self._rules,
             self._prior_compiler,
-            random_sampling=sampling_is_random(req.sampling_params),
+            req.sampling_params,
         )
 
     def _rules(self) -> EngineRules:

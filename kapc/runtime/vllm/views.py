@@ -50,10 +50,3 @@ def draft_budget(
     if end_tokens is not None:
         budget = min(budget, end_tokens - 2 - position)
     return budget
-
-
-def sampling_is_random(sp) -> bool:
-    if sp is None:
-        return False
-    t = getattr(sp, "temperature", 0.0)
-    return t is not None and t > 1e-5
