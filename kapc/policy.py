@@ -37,6 +37,14 @@ class PolicyError(KapcError):
 # ---- acceptance rules -----------------------------------------------------------------------
 
 
+# The acceptance rule of a sampled request (temperature above zero): a draft token x, proposed
+# deterministically, is kept with probability p(x) under the request's own sampling distribution
+# p (temperature, top-k, top-p applied), and at the first rejection a token is drawn from p with
+# x removed (renormalised). Its output distribution is exactly p's (speculative sampling with a
+# one-hot proposal); vLLM's rejection sampler does this when no draft probabilities are given.
+SAMPLED = "sampled"
+
+
 def parse_accept(rule: str) -> int:
     """'greedy' -> 1 (lossless), 'topN' -> N (a draft within the target's top N is accepted)."""
     if rule == "greedy":
@@ -632,14 +640,20 @@ def admit(
     the ratio the engine will actually read (it differs from the plan's when the engine's block
     size differs); `k`/`accept` override the plan's; `engine_k` caps k (vLLM fixes it at start);
     `view_blocks` is how many of the engine's blocks the draft view reads, `workspace_blocks` the
-    most the engine's draft path holds for one request (None: no limit).
+    most the engine's draft path holds for one request (None: no limit). A `random_sampling`
+    request (temperature above zero) runs with the rule `SAMPLED`: its drafts are accepted by
+    rejection sampling, which leaves its output distribution the model's own.
     Raises PolicyError for an unknown acceptance rule.
 
-    The paper's fallback conditions, in the order they are checked: sampling, workspace capacity,
+    The paper's fallback conditions, in the order they are checked: workspace capacity,
     retained ratio, prior confidence, predicted loss (and, while decoding, observed acceptance:
     `AcceptanceMonitor`)."""
     rule = accept or header.accept
     topn = parse_accept(rule)
+    if random_sampling:
+        # a sampled request's drafts are verified by rejection sampling against its own
+        # distribution (exact); a tolerance would move that distribution, so there is none
+        rule, topn = SAMPLED, 1
     kk = int(k if k is not None else header.k)
     if engine_k is not None:
         kk = min(kk, int(engine_k))
@@ -648,8 +662,6 @@ def admit(
     def fallback(reason: str) -> Admission:
         return Admission(k=kk, topn=topn, accept=rule, reason=reason)
 
-    if random_sampling:
-        return fallback("sampling with temperature > 0: plans propose for greedy requests only")
     if kk < 1:
         return fallback(f"proposal length k={kk}")
     if (

@@ -37,6 +37,7 @@ from kapc.policy import (
     admit,
     engine_blocks,
     estimated_p,
+    parse_accept,
     visible_tokens,
 )
 
@@ -248,9 +249,15 @@ class PlanSession:
         )
         self.accept, self.topn, self.k = verdict.accept, verdict.topn, verdict.k
         if h.block_size != bs:
-            self.note = (
+            self.noted(
                 f"plan compiled for block size {h.block_size}, run on the engine's {bs} "
                 f"(s {h.retained_ratio:.3f} -> {self.retained_ratio:.3f})"
+            )
+        asked = opts.accept or h.accept
+        if random_sampling and parse_accept(asked) > 1:
+            self.noted(
+                f"{asked} off: a sampled request's drafts are verified by rejection sampling, "
+                f"which keeps the model's distribution"
             )
         self.forced = not opts.honor_predicted_loss
         self.prior_p = float(h.cost.p) if h.cost.p is not None else float(h.cost.h)
@@ -262,6 +269,10 @@ class PlanSession:
         else:
             self.status, self.reason = "fallback", verdict.reason
 
+    def noted(self, text: str) -> None:
+        """Add to the request's note (what its run changed of the plan, and why)."""
+        self.note = f"{self.note}; {text}" if self.note else text
+
     def _admit_access(self, access: AccessPolicy, blocks: np.ndarray, engine: EngineRules):
         """A dynamic or hybrid access policy: the blocks its view reads (kapc.policy)."""
         if access.mode == "static":
@@ -272,7 +283,7 @@ class PlanSession:
         if access.proxy != "query" and engine.proxy_problem:
             raise PolicyError(f"access proxy {access.proxy}: {engine.proxy_problem}")
         if engine.keys_unreadable:
-            self.note = f"static pages: {engine.keys_unreadable}"
+            self.noted(f"static pages: {engine.keys_unreadable}")
             return
         self.access = access
         self.view = access_view(access, blocks, self.prompt_tokens, engine.block_size)
@@ -286,7 +297,7 @@ class PlanSession:
         self.access = self.view = self.bounds = None
         self.visible_prompt_tokens = self.static_visible
         self.retained_ratio = self.visible_prompt_tokens / self.prompt_tokens
-        self.note = f"static pages: {why}"
+        self.noted(f"static pages: {why}")
 
     # ---- drafting ----------------------------------------------------------------------------
     @property

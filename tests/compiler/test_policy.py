@@ -110,7 +110,10 @@ def test_admission_rules_in_order():
     h = _header()
     assert admit(h, retained=0.2).runs
     assert admit(h, retained=0.2, k=2).k == 2 and admit(h, retained=0.2, engine_k=3).k == 3
-    assert "temperature" in admit(h, retained=0.2, random_sampling=True).reason
+    # a sampled request drafts, verified by rejection sampling: never with a tolerance
+    sampled = admit(h, retained=0.2, accept="top3", random_sampling=True)
+    assert sampled.runs and (sampled.accept, sampled.topn) == ("sampled", 1)
+    assert not admit(h, retained=0.6, random_sampling=True).runs  # the other rules still hold
     assert "k=0" in admit(h, retained=0.2, k=0).reason
     assert "max_retained" in admit(h, retained=0.6).reason  # the ratio the engine will read
     loses = _header(cost=msgspec.structs.replace(h.cost, pays=False, speedup=0.8))

@@ -133,9 +133,15 @@ def test_the_engines_exceptions_to_the_plans_rules_are_explicit(target, prompt):
     assert admitted(target, prompt, RequestOptions(k=0)).status == "fallback"
     sampled = PlanSession(tag="s")
     sampled.admit(
-        plan_of(target, prompt), prompt, RequestOptions(), rules(target), random_sampling=True
+        plan_of(target, prompt),
+        prompt,
+        RequestOptions(accept="top3"),
+        rules(target),
+        random_sampling=True,
     )
-    assert sampled.status == "fallback" and "temperature" in sampled.reason
+    # drafted, verified by rejection sampling; the asked tolerance is off and the report says so
+    assert sampled.drafting and (sampled.accept, sampled.topn) == ("sampled", 1)
+    assert "top3" in sampled.note and "rejection sampling" in sampled.note
     narrow = admitted(target, prompt, RequestOptions(max_view_blocks=2), workspace_blocks=64)
     assert narrow.status == "fallback" and narrow.reason.startswith("workspace:")
 

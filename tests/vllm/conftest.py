@@ -70,18 +70,47 @@ def _engine(hook: bool):
     )
 
 
+# sampled decoding: many seeded requests on one prompt, so that token frequencies can be compared
+SAMPLES = 128
+SAMPLED_TOKENS = 5
+SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": 50}
+
+
+def sampling_settings(n: int = SAMPLES) -> list[dict]:
+    return [dict(SAMPLING, seed=i) for i in range(n)]
+
+
 @pytest.fixture(scope="session")
-def baseline(cases):
-    """Plain vLLM greedy outputs (no hook, no speculative decoding), one batch; the engine is shut
-    down before the hook's engine starts."""
+def plain_runs(cases):
+    """Plain vLLM (no hook, no speculative decoding): the greedy outputs of every prompt in one
+    batch, and SAMPLES sampled outputs of the second prompt; the engine is shut down before the
+    hook's engine starts."""
     from kapc.runtime.vllm import generate
 
     eng = _engine(hook=False)
     try:
-        res = generate(eng, [c.ids for c in cases], None, max_tokens=NEW_TOKENS)
+        greedy = generate(eng, [c.ids for c in cases], None, max_tokens=NEW_TOKENS)
+        sampled = generate(
+            eng,
+            [cases[1].ids] * SAMPLES,
+            None,
+            max_tokens=SAMPLED_TOKENS,
+            ignore_eos=True,
+            sampling=sampling_settings(),
+        )
     finally:
         eng.close()
-    return [r["tokens"] for r in res]
+    return [r["tokens"] for r in greedy], [r["tokens"] for r in sampled]
+
+
+@pytest.fixture(scope="session")
+def baseline(plain_runs):
+    return plain_runs[0]
+
+
+@pytest.fixture(scope="session")
+def plain_samples(plain_runs):
+    return plain_runs[1]
 
 
 @pytest.fixture(scope="session")

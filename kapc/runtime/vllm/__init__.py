@@ -387,6 +387,7 @@ def generate(
     ignore_eos: bool = False,
     accept: str | None = None,
     access=None,
+    sampling: dict | list[dict] | None = None,
 ) -> list[dict]:
     """Decode a batch of token-id prompts in one `LLM.generate` call, each with its plan (a Plan,
     .kapb bytes, a path, or None for plain decoding). Returns one dict per prompt: tokens, text,
@@ -394,11 +395,15 @@ def generate(
     acceptance_rate, retained_ratio (executed), plan_retained_ratio, tokens_per_cycle, plus the
     batch's wall time under "batch_s". `accept` overrides every plan's acceptance rule, `access`
     (a kapc.policy.AccessPolicy, or a list of them, one per prompt) the plans' access policy;
-    `honor_predicted_loss` may be given per prompt (False: the plan drafts whenever it can)."""
+    `honor_predicted_loss` may be given per prompt (False: the plan drafts whenever it can).
+    `sampling` (a dict of vLLM SamplingParams fields such as temperature, top_p, top_k and seed,
+    or one per prompt) samples instead of decoding greedily; a sampled request's drafts are
+    accepted by vLLM's rejection sampler (`kapc.policy.SAMPLED`)."""
     prompts = [[int(t) for t in p] for p in prompts_token_ids]
     plans = _per_prompt(plans, len(prompts), "plans")
     honor = _per_prompt(honor_predicted_loss, len(prompts), "honor_predicted_loss flags")
     accesses = _per_prompt(access, len(prompts), "access policies")
+    samplings = _per_prompt(sampling, len(prompts), "sampling settings")
     run = uuid.uuid4().hex[:8]
     tags = [f"{run}-{i}" for i in range(len(prompts))]
     sps = [
@@ -412,8 +417,9 @@ def generate(
             ignore_eos=ignore_eos,
             accept=accept,
             access=acc,
+            **(smp or {}),
         )
-        for pl, t, hon, acc in zip(plans, tags, honor, accesses)
+        for pl, t, hon, acc, smp in zip(plans, tags, honor, accesses, samplings)
     ]
     engine.stats(pop=True)
     began = time.monotonic()

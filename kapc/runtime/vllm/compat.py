@@ -16,7 +16,9 @@ What the proposer needs from vLLM, and where it is in 0.32 (`vllm/v1/...`):
   forwards bfloat16 copies of the weights;
 - the rejection sampler's inputs, to adjust target logits for top-N tolerant acceptance
   (`runner.rejection_sampler.forward(metadata, draft_probs, logits, sampling_metadata)`, with
-  `metadata.num_draft_tokens`, `.target_logits_indices`, `.draft_token_ids`).
+  `metadata.num_draft_tokens`, `.target_logits_indices`, `.draft_token_ids`);
+- on vLLM-CPU, a correct `rejection_sampler.expand_batch_to_tokens` in place of 0.32's, whose
+  CPU kernel never writes its output (`sampled_verification_on_cpu`).
 """
 
 from __future__ import annotations
@@ -272,6 +274,30 @@ def before_rejection_sampling(runner, adjust) -> None:
 
     rs.forward = wrapped
     rs._kapc_wrapped = True
+
+
+def sampled_verification_on_cpu() -> None:
+    """Make vLLM-CPU's rejection sampling of sampled requests read their own temperature, top-k
+    and top-p. vLLM 0.32 spreads each request's values over its draft positions with
+    `expand_batch_to_tokens`, whose CPU kernel fills an int64 temporary and never the float or
+    int32 buffer it returns (vLLM issue #55005): the rejection sampler then divides by
+    uninitialised memory and sampled output is biased (ngram's too). The same expansion in torch
+    replaces it, on CPU only. Once per process."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    if not current_platform.is_cpu() or getattr(
+        rejection_sampler.expand_batch_to_tokens, "_kapc", False
+    ):
+        return
+
+    def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+        values = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+        return torch.repeat_interleave(values, counts, output_size=int(num_tokens))
+
+    expand_batch_to_tokens._kapc = True  # type: ignore[attr-defined]
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
 
 
 def attention_modules(vllm_config, layout: AttentionLayout) -> list:

@@ -102,9 +102,12 @@ class KapProposer:
         draft token of a top-N row that lies within the target's top N at its position gets its
         target logit raised above the row's maximum, so the greedy comparison accepts it and
         emits it. Greedy rows and the bonus positions are left untouched (lossless stays
-        lossless); the first rejected position still yields the target's own argmax."""
+        lossless); the first rejected position still yields the target's own argmax. Sampled
+        rows are never raised: their drafts are accepted by rejection sampling
+        (`kapc.policy.SAMPLED`)."""
         self._runner = runner
         compat.before_rejection_sampling(runner, self._raise_tolerated)
+        compat.sampled_verification_on_cpu()
 
     def _raise_tolerated(self, draft_rows, logits) -> None:
         if not any(s.topn > 1 for s in self.sessions.values()):
