@@ -474,6 +474,37 @@ def plan_step(
     return best
 
 
+# ---- the steps that prefill --------------------------------------------------------------------
+#
+# A step's drafts are made at the end of the step before it, and that step's rows wait for them.
+# When the next step will prefill (a newcomer takes a free seat, or a long prompt goes on with its
+# next chunk), the newcomer waits too: its first token comes a draft forward later, while what the
+# drafts save is spread over the batch's later tokens. A server is held to its first tokens
+# (plain vLLM's TTFT is the bar), so no row drafts before a step that prefills.
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the engine holds beside the decoding batch when a step's drafts are chosen: requests
+    waiting for a seat (`waiting`, and `arriving`: received but not yet handed to the scheduler),
+    seats taken and in all (`running`, `seats`), and requests part-way through their prompt's
+    chunks (`prefilling`)."""
+
+    waiting: int = 0
+    arriving: int = 0
+    running: int = 0
+    seats: int = 0
+    prefilling: int = 0
+
+
+def prefills_next(load: EngineLoad | None) -> bool:
+    """Whether the engine's next step will prefill: a prompt is part-way through its chunks, or a
+    request waits and a seat is free (None: the engine cannot tell; assume not)."""
+    if load is None:
+        return False
+    return load.prefilling > 0 or (load.waiting + load.arriving > 0 and load.running < load.seats)
+
+
 # ---- the profile against the clock -----------------------------------------------------------
 #
 # A profile is a snapshot of a machine that drifts: on this 2-core VM a resting 4K x 4 step took

@@ -8,7 +8,9 @@ measures: kapc.policy.StepClock), and overrides that choice by two rules of the 
 at rest now and then, timed, because a batch that always drafts never shows what drafting is
 weighed against; and rest while drafting steps have lately delivered fewer tokens a second than
 resting ones. Without a profile every candidate drafts (each plan's own rules decided at
-admission). Rows the caller marks `forced` always draft.
+admission). Rows the caller marks `forced` draft whatever the profile says. With or without a
+profile, forced or not, no row drafts before a step that prefills (the engine's `EngineLoad`:
+kapc.policy.prefills_next).
 
 The planner also times each engine step against the profile (`step_done`), and keeps the hook's
 timings (`HookTimings`) and one `StepRecord` per step for calibration. It is torch-free and
@@ -25,10 +27,12 @@ from typing import Any, NamedTuple
 import msgspec
 
 from kapc.policy import (
+    EngineLoad,
     StepClock,
     engine_step,
     page_choice,
     plan_step,
+    prefills_next,
     proposer_work,
     resting_kind,
     step_forecast,
@@ -76,6 +80,7 @@ class HookTimings(msgspec.Struct):
     forecast_from: float = 0.0
     rest_samples: int = 0  # steps held at rest to time a resting step
     held_by_rate: int = 0  # steps held because drafting steps delivered less lately
+    held_by_prefill: int = 0  # steps held because the next step prefills (kapc.policy)
 
 
 class StepRecord(NamedTuple):
@@ -140,10 +145,18 @@ class StepPlanner:
         return out
 
     # ---- the plan of a step ------------------------------------------------------------------
-    def plan(self, rows: list[Candidate], others: list[int]) -> list[Candidate]:
+    def plan(
+        self, rows: list[Candidate], others: list[int], load: EngineLoad | None = None
+    ) -> list[Candidate]:
         """The rows that draft this step, each capped at the drafts that pay (all of them
         without a profile), in batch order; `others` are the contexts of the rows that cannot
-        draft. Rows held back count a held step."""
+        draft, `load` what else the engine holds. Before a step that prefills no row drafts,
+        forced or not (kapc.policy.prefills_next). Rows held back count a held step."""
+        if prefills_next(load):
+            self.timings.held_by_prefill += 1
+            for r in rows:
+                r.session.held += 1
+            return []
         if self.profile is None:
             return rows
         if not self.timings.forecast_from:

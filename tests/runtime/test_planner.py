@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kapc.policy import EngineLoad, prefills_next
 from kapc.profile import load_profile
 from kapc.runtime.planner import Candidate, DraftCost, HookTimings, StepPlanner, StepRecord
 from kapc.runtime.session import PlanSession
@@ -61,6 +62,27 @@ def test_forced_rows_draft_whatever_the_forecast():
     planner = StepPlanner(load_profile(RECORDED), online=False)
     batch = rows(2, p=0.9, forced=True)
     assert planner.plan(batch, [100]) == batch
+
+
+def test_no_row_drafts_before_a_step_that_prefills():
+    """A newcomer with a free seat, or a prompt part-way through its chunks, means the next step
+    prefills: drafting would delay its first token, so no row drafts, profile or not, forced or
+    not."""
+    free_seat = EngineLoad(waiting=1, running=3, seats=8)
+    assert prefills_next(free_seat) and prefills_next(EngineLoad(arriving=2, running=3, seats=8))
+    assert prefills_next(EngineLoad(running=4, seats=4, prefilling=1))
+    # nothing waits, the engine cannot tell, or the newcomer has no seat to take: drafts pay
+    assert not prefills_next(EngineLoad(running=3, seats=8)) and not prefills_next(None)
+    assert not prefills_next(EngineLoad(waiting=5, arriving=1, running=8, seats=8))
+    for planner in (StepPlanner(), StepPlanner(known_profile(), online=False)):
+        batch = rows(3, p=0.8) + [Candidate(3, session(0.8, forced=True), 4095, 4)]
+        assert planner.plan(batch, [100], free_seat) == []
+        assert [r.session.held for r in batch] == [1, 1, 1, 1]
+        assert planner.timings.held_by_prefill == 1
+        planner.plan(rows(2), [], EngineLoad(running=2, seats=8))
+        assert planner.timings.held_by_prefill == 1  # that step was the profile's to decide
+    free = StepPlanner().plan(rows(2), [], EngineLoad(running=2, seats=8))
+    assert [r.row for r in free] == [0, 1]
 
 
 def test_the_clock_rests_one_step_in_sixteen_and_holds_while_drafting_loses():

@@ -585,6 +585,29 @@ def test_no_drafts_past_the_last_token_a_request_may_emit(engine, cases, baselin
     assert res[0]["timing"]["draft_forwards"] == 1
 
 
+def test_no_row_drafts_while_a_prompt_is_still_being_prefilled(engine, cases, baseline):
+    """Fresh prompts longer than one step's token budget are prefilled over two steps; until
+    they are, a planned row decodes plainly (drafting would delay their first tokens), then it
+    drafts, and its output stays plain vLLM's."""
+    import numpy as np
+
+    from kapc.runtime.vllm import generate
+
+    budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    rng = np.random.default_rng(11)
+    fresh = [rng.integers(1000, 40000, 1800).tolist() for _ in range(budget // 1800 + 1)]
+    c = cases[1]
+    first, *_ = generate(
+        engine,
+        [c.ids, *fresh],
+        [c.plan] + [None] * len(fresh),
+        max_tokens=16,
+        honor_predicted_loss=False,
+    )
+    assert first["timing"]["held_by_prefill"] >= 1 and first["held"] >= 1
+    assert first["proposed"] > 0 and first["tokens"] == baseline[1][:16]
+
+
 def test_step_policy_times_resting_steps_or_rests_by_measured_rates(
     engine, cases, baseline, tmp_path
 ):

@@ -55,6 +55,7 @@ from kapc.runtime.vllm.compat import UnsupportedAttention
 from kapc.runtime.vllm.draft_inputs import DraftInputs, StepInputs, routed_rows
 from kapc.runtime.vllm.engine_setup import EngineSetup, check_model
 from kapc.runtime.vllm.keys import KeyPages
+from kapc.runtime.vllm.scheduler import engine_load
 from kapc.runtime.vllm.views import compact_row, draft_budget, view_blocks
 
 # under vLLM's logger, so the lines reach the server's log with its format and level
@@ -243,10 +244,10 @@ class KapProposer:
         contexts = [int(num_tokens_no_spec[row]) for row in range(n)]
         self.planner.step_done(called, req_ids, [len(t) for t in sampled_token_ids])
         rows = self._candidates(runner, req_ids, sampled_token_ids, contexts)
-        if self.planner.profile is not None:
+        if rows:
             drafting = {r.row for r in rows}
             others = [c for row, c in enumerate(contexts) if row not in drafting]
-            rows = self.planner.plan(rows, others)
+            rows = self.planner.plan(rows, others, engine_load())
         rows, drafts, cost = self._draft_rows(rows, token_ids_cpu)
         out: list[list[int]] = [[] for _ in range(n)]
         for r, d in zip(rows, drafts):
