@@ -486,11 +486,13 @@ def plan_step(
 @dataclass(frozen=True)
 class EngineLoad:
     """What the engine holds beside the decoding batch when a step's drafts are chosen: requests
-    waiting for a seat (`waiting`, and `arriving`: received but not yet handed to the scheduler),
-    seats taken and in all (`running`, `seats`), and requests part-way through their prompt's
-    chunks (`prefilling`)."""
+    waiting (`waiting`; `admissible`: whether the first of them fits the free KV cache now;
+    `arriving`: received but not yet handed to the scheduler, so not yet weighed), seats taken
+    and in all (`running`, `seats`), and requests part-way through their prompt's chunks
+    (`prefilling`)."""
 
     waiting: int = 0
+    admissible: bool = False
     arriving: int = 0
     running: int = 0
     seats: int = 0
@@ -498,11 +500,14 @@ class EngineLoad:
 
 
 def prefills_next(load: EngineLoad | None) -> bool:
-    """Whether the engine's next step will prefill: a prompt is part-way through its chunks, or a
-    request waits and a seat is free (None: the engine cannot tell; assume not)."""
+    """Whether the engine's next step will prefill: a prompt is part-way through its chunks, or
+    a seat is free and a request can take it (one waits and fits the KV cache, or one has
+    arrived). A request that waits for KV blocks is not admitted next step, so it does not stop
+    drafting (None: the engine cannot tell; assume not)."""
     if load is None:
         return False
-    return load.prefilling > 0 or (load.waiting + load.arriving > 0 and load.running < load.seats)
+    takes_a_seat = load.admissible or load.arriving > 0
+    return load.prefilling > 0 or (takes_a_seat and load.running < load.seats)
 
 
 # ---- the profile against the clock -----------------------------------------------------------

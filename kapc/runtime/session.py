@@ -121,7 +121,8 @@ class RunReport(msgspec.Struct, kw_only=True):
 
     `status`: "plan" (drafting, or ran to the end drafting), "fallback" (decodes with the full
     context: `reason`), "refused" (the plan cannot apply: `reason`), "none" (no plan), "off"
-    (a plan sent to an engine started without kapc's hook). `ran`: the
+    (a plan sent to an engine started without kapc's hook), "compiling" (its prior's plan was
+    not compiled yet: it decodes with the full context until it is, or to the end). `ran`: the
     plan was admitted to draft (a later fallback keeps it True). `proposed` and `accepted` count
     verified drafts; `draft_cycles` the cycles that drafted, `steps` the engine steps that emitted
     tokens for the request (its prefill's included); `held` the steps the step planner kept it
@@ -199,11 +200,23 @@ class PlanSession:
     per_pos: list[int] = field(default_factory=list)
     compile_s: float | None = None
     compile_cached: bool = False
+    compiling_plan: Any = None  # the compile of its prior, while it runs (a Future)
     serial: int = field(default_factory=lambda: next(_serials))  # unique for the process
 
     # ---- admission ---------------------------------------------------------------------------
     def refuse(self, reason: str, error: KapcError | None = None) -> None:
         self.status, self.reason, self.error = "refused", reason, error
+
+    def compiling(self, pending) -> None:
+        """Its prior's plan is being compiled off the engine's step (`pending`, a Future): it
+        decodes with the full context until the plan is admitted."""
+        self.status, self.reason = "compiling", "its prior's plan is being compiled"
+        self.compiling_plan = pending
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the compile it waits for has finished (admit it now)."""
+        return self.compiling_plan is not None and self.compiling_plan.done()
 
     def admit(
         self,
@@ -412,6 +425,50 @@ def finished_line(r: RunReport) -> str:
     if r.reason:
         parts.append(f"reason: {r.reason}")
     return ", ".join(parts)
+
+
+# Why plans stop or never start, as few labels as a metrics system wants (first match wins)
+FALLBACK_CAUSES = (
+    ("predicts no gain", "cost_model"),
+    ("retained ratio", "retained_ratio"),
+    ("prior confidence", "prior_confidence"),
+    ("workspace", "workspace"),
+    ("observed acceptance", "acceptance"),
+    ("hook failed", "hook_failure"),
+    ("proposal length", "no_drafts"),
+)
+
+
+def fallback_cause(reason: str | None) -> str:
+    """A fallback's reason as one of a few labels (`FALLBACK_CAUSES`, else "other")."""
+    return next((label for text, label in FALLBACK_CAUSES if text in (reason or "")), "other")
+
+
+class ServedTotals(msgspec.Struct):
+    """What an engine's plans did since it started, summed over the requests that have left its
+    batch: what a server exports to Prometheus (`/metrics`)."""
+
+    requests: dict[str, int] = msgspec.field(default_factory=dict)  # by final status
+    fallbacks: dict[str, int] = msgspec.field(default_factory=dict)  # by cause (fallback_cause)
+    proposed: int = 0
+    accepted: int = 0
+    draft_cycles: int = 0
+    held_steps: int = 0
+    compiles: int = 0  # priors compiled (not taken from the cache)
+    compile_s: float = 0.0
+
+    def count(self, r: RunReport) -> None:
+        self.requests[r.status] = self.requests.get(r.status, 0) + 1
+        if r.status == "fallback":
+            cause = fallback_cause(r.reason)
+            self.fallbacks[cause] = self.fallbacks.get(cause, 0) + 1
+        self.proposed += r.proposed
+        self.accepted += r.accepted
+        self.draft_cycles += r.draft_cycles
+        self.held_steps += r.held
+        if r.compile_s is not None and not r.compile_cached:
+            self.compiles += 1
+            self.compile_s += r.compile_s
 
 
 def failure(where: str, exc: Exception) -> str:

@@ -33,13 +33,8 @@ def test_chat_messages_render_to_the_plans_prompt(path, ctx, compiler):
     """What the server tokenises (the messages through the chat template, generation prompt
     added) is exactly the prompt the prior's plan was compiled for: else every plan sent as a
     prior would be refused."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(ctx.assets.path))
-    ids = tok.apply_chat_template(chat_messages(path), add_generation_prompt=True, tokenize=True)
-    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     plan = decode_plan(compiler.compile(path.read_text()).data)
-    assert [int(t) for t in plan.prompt_token_ids] == list(ids)
+    assert [int(t) for t in plan.prompt_token_ids] == chat_ids(ctx, path)
 
 
 def test_a_prior_compiles_once_per_block_size(ctx):
@@ -64,6 +59,49 @@ def test_the_cache_keeps_the_newest_plans(ctx):
     small.compile(b)
     assert not small.compile(a).cached  # b pushed a out
     assert small.compile(a).cached
+
+
+def test_priors_compile_off_the_engine_step(ctx):
+    """A prior's plan compiles on the compiler's own thread: admission does not wait for it. The
+    session decodes plainly (`compiling`) until the plan is ready, then is admitted; the same
+    prior in flight twice compiles once; the scheduler's early start joins the same compile."""
+    import threading
+
+    from kapc.runtime.planning import PlanTarget
+    from kapc.runtime.session import EngineRules, PlanSession
+    from kapc.runtime.vllm import admission
+
+    one = PlanCompiler(str(ctx.assets.path), block_size=32, engine="vllm-cpu")
+    gate = threading.Event()
+    one._thread.submit(gate.wait)  # the compiler's thread is busy until the gate opens
+    extra = {"kapc_prior": PRIOR_700.read_text(), "kapc_opts": {"honor_predicted_loss": False}}
+    admission.compile_early(one)
+    admission.start_compiling(extra)  # as the request arrives
+    running = one.submit(extra["kapc_prior"])
+    assert not running.done() and one.submit(extra["kapc_prior"]) is running
+    target = PlanTarget(ctx.assets)
+    rules = lambda: EngineRules(block_size=32, layers=30, fingerprint=lambda: target.fingerprint)  # noqa: E731
+    ids = chat_ids(ctx, PRIOR_700)
+    s = PlanSession(tag="early")
+    admission.admit_request(s, extra, ids, rules, lambda: one)
+    assert s.status == "compiling" and not s.compiled and s.report().status == "compiling"
+    gate.set()
+    running.result(timeout=120)
+    assert s.compiled
+    admission.admit_request(s, extra, ids, rules, lambda: one)  # the next step: admitted
+    assert s.status == "plan" and s.source == "prior" and s.compile_s > 0
+    assert s.compiling_plan is None and not s.compiled
+    late = PlanSession(tag="late")  # the plan cached by now: admitted at once
+    admission.admit_request(late, extra, ids, rules, lambda: one)
+    assert late.status == "plan" and late.compile_cached
+
+
+def chat_ids(ctx, path) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ctx.assets.path))
+    ids = tok.apply_chat_template(chat_messages(path), add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
 @pytest.mark.parametrize(

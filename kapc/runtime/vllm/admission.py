@@ -8,6 +8,12 @@ refuses the request's plan, for that request only, when it is not.
 
 A server sees the same prior many times (a retry, a benchmark, a frontend that caches its
 retrieval), so compiled plans are kept by the prior's content hash: a repeated prior compiles once.
+
+Compiling is off the engine's step: the compiler runs on a thread of its own, one prior at a
+time, and loads its tokenizer there when the engine starts (`warm`). The scheduler starts a
+request's compile as the request arrives (`start_compiling`), so it runs while the prompt is
+prefilled; a request whose plan is not ready by its first decode step decodes plainly
+(`PlanSession.compiling`) and drafts from the step its plan is admitted.
 Torch-free, vLLM-free: the worker calls it with plain values.
 """
 
@@ -17,9 +23,11 @@ import base64
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kapc.errors import KapcError
@@ -62,39 +70,95 @@ def prior_text(value) -> bytes:
 
 class PlanCompiler:
     """Compiles priors for one engine: its model folder, KV block size and the engine name the
-    compiler finds its profile under (kapc.policy.ENGINE_BLOCK_SIZE: "vllm-cpu" or "vllm-gpu")."""
+    compiler finds its profile under (kapc.policy.ENGINE_BLOCK_SIZE: "vllm-cpu" or "vllm-gpu"),
+    on a thread of its own."""
 
     def __init__(self, model: str, block_size: int, engine: str, capacity: int = CACHED_PLANS):
         self.model, self.block_size, self.engine = model, int(block_size), engine
         self.capacity = int(capacity)
         self._plans: OrderedDict[str, bytes] = OrderedDict()
+        self._running: dict[str, Future] = {}  # compiles in flight, by key
+        self._lock = threading.Lock()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kapc-compile")
         self._ctx = None  # one CompileContext: the tokenizer loads once per engine
 
     def key(self, text: bytes) -> str:
         return hashlib.sha256(text + b"\0" + str(self.block_size).encode()).hexdigest()
 
+    def warm(self) -> None:
+        """Load the compiler's tokenizer on its thread now, so the first prior compiles as fast
+        as the rest."""
+        self._thread.submit(lambda: self._context().tokenize("warm", add_special_tokens=False))
+
     def compile(self, value) -> Compiled:
         """The plan of a prior, compiled now or taken from the cache. Raises KapcError (the prior's
         own errors name their JSON path) when it cannot be compiled."""
-        from kapc.compiler import compile_to_kapb
-        from kapc.passes import CompileContext
-        from kapc.prior import decode_prior
+        return self.submit(value).result()
 
+    def submit(self, value) -> Future:
+        """The plan of a prior (a Future of `Compiled`): taken from the cache, joined to the same
+        prior's compile in flight, or compiled on the compiler's thread. The future raises
+        KapcError when the prior cannot be compiled; a value that is no prior raises here."""
         text = prior_text(value)
         key = self.key(text)
-        data = self._plans.get(key)
-        if data is not None:
-            self._plans.move_to_end(key)
-            return Compiled(data=data, seconds=0.0, cached=True)
-        t0 = time.perf_counter()
-        prior = decode_prior(text, f"<request {PRIOR_KEY}>")
+        with self._lock:
+            data = self._plans.get(key)
+            if data is not None:
+                self._plans.move_to_end(key)
+                done: Future = Future()
+                done.set_result(Compiled(data=data, seconds=0.0, cached=True))
+                return done
+            running = self._running.get(key)
+            if running is None:
+                running = self._running[key] = self._thread.submit(self._compile, text, key)
+            return running
+
+    def _context(self):
+        from kapc.passes import CompileContext
+
         if self._ctx is None:
             self._ctx = CompileContext(model=self.model, engine=self.engine)
-        data = compile_to_kapb(prior, None, self._ctx, block_size=self.block_size)
-        self._plans[key] = data
-        while len(self._plans) > self.capacity:
-            self._plans.popitem(last=False)
-        return Compiled(data=data, seconds=time.perf_counter() - t0, cached=False)
+        return self._ctx
+
+    def _compile(self, text: bytes, key: str) -> Compiled:
+        from kapc.compiler import compile_to_kapb
+        from kapc.prior import decode_prior
+
+        try:
+            t0 = time.perf_counter()
+            prior = decode_prior(text, f"<request {PRIOR_KEY}>")
+            data = compile_to_kapb(prior, None, self._context(), block_size=self.block_size)
+            seconds = time.perf_counter() - t0
+            with self._lock:
+                self._plans[key] = data
+                while len(self._plans) > self.capacity:
+                    self._plans.popitem(last=False)
+            return Compiled(data=data, seconds=seconds, cached=False)
+        finally:
+            with self._lock:
+                self._running.pop(key, None)
+
+
+_early: dict[str, PlanCompiler] = {}  # "compiler": the engine's, where its scheduler can reach it
+
+
+def compile_early(compiler: PlanCompiler) -> None:
+    """Let the scheduler of this process start compiles as requests arrive (`start_compiling`)."""
+    _early["compiler"] = compiler
+
+
+def start_compiling(*extras: dict | None) -> None:
+    """Start compiling the priors arriving requests carry (their vLLM `extra_args`), so that
+    each plan is ready, or nearly, when the request's first decode step admits it. Never
+    raises: a bad prior is refused, with the reason, at admission."""
+    compiler = _early.get("compiler")
+    for extra in extras:
+        if compiler is None or not extra or extra.get(PRIOR_KEY) is None or PLAN_KEY in extra:
+            continue
+        try:
+            compiler.submit(extra[PRIOR_KEY])
+        except Exception:  # noqa: BLE001, S110 - admission says why
+            pass
 
 
 def admit_request(
@@ -107,10 +171,32 @@ def admit_request(
 ) -> None:
     """Admit the plan a request carries in its `extra_args` (a .kapb, or a prior compiled here
     by `compiler()`), if any, under the engine's `rules()` and the request's vLLM
-    `sampling_params`; a request whose plan cannot apply is refused with the reason."""
+    `sampling_params`; a request whose plan cannot apply is refused with the reason. A prior
+    whose plan is still compiling leaves the session `compiling`; called again once
+    `s.compiled`, it admits the plan."""
+    if s.compiled:
+        return admit_compiled(s, extra, prompt_ids, rules, sampling_params)
     data = _plan_data(s, extra, compiler)
+    if isinstance(data, Future):
+        if not data.done():
+            s.compiling(data)
+            return
+        data = _compiled(s, data)
     if data is None:
         return
+    _admit_plan(s, data, extra, prompt_ids, rules, sampling_params)
+
+
+def admit_compiled(s: PlanSession, extra: dict, prompt_ids, rules, sampling_params=None) -> None:
+    """Admit a `compiling` session whose plan has been compiled (`s.compiled`)."""
+    pending, s.compiling_plan = s.compiling_plan, None
+    s.status, s.reason = "none", None
+    data = _compiled(s, pending)
+    if data is not None:
+        _admit_plan(s, data, extra, prompt_ids, rules, sampling_params)
+
+
+def _admit_plan(s: PlanSession, data: bytes, extra: dict, prompt_ids, rules, sampling_params):
     try:
         opts = request_options(extra.get(OPTS_KEY))
     except KapcError as exc:
@@ -127,9 +213,9 @@ def sampling_is_random(sp) -> bool:
     return t is not None and t > 1e-5
 
 
-def _plan_data(s: PlanSession, extra: dict, compiler: Callable[[], PlanCompiler]) -> bytes | None:
-    """The .kapb bytes a request carries, or compiled from its prior (None: no plan, or refused
-    with the reason)."""
+def _plan_data(s: PlanSession, extra: dict, compiler: Callable[[], PlanCompiler]):
+    """The .kapb bytes a request carries, or the compile of its prior (a Future), or None (no
+    plan, or refused with the reason)."""
     data = extra.get(PLAN_KEY)
     if data is not None:
         s.source = "kapb"
@@ -144,14 +230,22 @@ def _plan_data(s: PlanSession, extra: dict, compiler: Callable[[], PlanCompiler]
         return None
     s.source = "prior"
     try:
-        compiled = compiler().compile(extra[PRIOR_KEY])
+        return compiler().submit(extra[PRIOR_KEY])
+    except KapcError as exc:
+        s.refuse(f"prior refused: {exc}", exc)
+        return None
+
+
+def _compiled(s: PlanSession, pending: Future) -> bytes | None:
+    """A finished compile's plan, its time booked on the session (None: refused, with why)."""
+    try:
+        compiled = pending.result()
     except KapcError as exc:
         s.refuse(f"prior refused: {exc}", exc)
         return None
     except Exception as exc:  # noqa: BLE001 - one request's prior must not stop the engine
-        log.exception("kapc: compiling the prior of request %s failed", s.tag)
+        log.error("kapc: compiling the prior of request %s failed: %r", s.tag, exc)
         s.refuse(f"prior refused: the compiler failed on it ({type(exc).__name__}: {exc})")
         return None
-    # compilation runs in the engine's step: the figure is reported
     s.compile_s, s.compile_cached = compiled.seconds, compiled.cached
     return compiled.data

@@ -17,6 +17,9 @@ What the proposer needs from vLLM, and where it is in 0.32 (`vllm/v1/...`):
 - the rejection sampler's inputs, to adjust target logits for top-N tolerant acceptance
   (`runner.rejection_sampler.forward(metadata, draft_probs, logits, sampling_metadata)`, with
   `metadata.num_draft_tokens`, `.target_logits_indices`, `.draft_token_ids`);
+- the step's `SchedulerOutput` (a local of `propose_draft_token_ids` on the call stack), which
+  carries what kapc's scheduler attached (`kapc_load`) across the executor's process boundary,
+  and the `extra_args` of the requests it schedules for the first time;
 - on vLLM-CPU, a correct `rejection_sampler.expand_batch_to_tokens` in place of 0.32's, whose
   CPU kernel never writes its output (`sampled_verification_on_cpu`).
 """
@@ -43,6 +46,28 @@ def find_runner(drafter, depth: int = 2):
             return obj
         f = f.f_back
     raise RuntimeError("kapc KapProposer: cannot find the vLLM model runner")
+
+
+def step_schedule(depth: int = 2):
+    """The scheduler's output for the step whose drafts `propose` makes (a local of vLLM's
+    `GPUModelRunner.propose_draft_token_ids` on the call stack), or None."""
+    f = sys._getframe(depth)
+    while f is not None:
+        found = f.f_locals.get("scheduler_output")
+        if found is not None and hasattr(found, "scheduled_new_reqs"):
+            return found
+        f = f.f_back
+    return None
+
+
+def new_request_args(scheduler_output) -> list[dict]:
+    """The `extra_args` of the requests a step schedules for the first time."""
+    out = []
+    for r in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+        sp = getattr(r, "sampling_params", None)
+        if sp is not None and sp.extra_args:
+            out.append(sp.extra_args)
+    return out
 
 
 @dataclass

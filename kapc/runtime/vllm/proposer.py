@@ -45,17 +45,23 @@ from kapc.runtime.session import (
     EngineRules,
     PlanSession,
     RunReport,
+    ServedTotals,
     failure,
     finished_line,
     remember,
 )
-from kapc.runtime.vllm import compat
-from kapc.runtime.vllm.admission import PlanCompiler, admit_request
+from kapc.runtime.vllm import compat, engine_kind
+from kapc.runtime.vllm.admission import (
+    PlanCompiler,
+    admit_request,
+    compile_early,
+    start_compiling,
+)
 from kapc.runtime.vllm.compat import UnsupportedAttention
 from kapc.runtime.vllm.draft_inputs import DraftInputs, StepInputs, routed_rows
 from kapc.runtime.vllm.engine_setup import EngineSetup, check_model
 from kapc.runtime.vllm.keys import KeyPages
-from kapc.runtime.vllm.scheduler import engine_load
+from kapc.runtime.vllm.scheduler import step_load
 from kapc.runtime.vllm.views import compact_row, draft_budget, view_blocks
 
 # under vLLM's logger, so the lines reach the server's log with its format and level
@@ -91,7 +97,12 @@ class KapProposer:
         self.sessions: dict[str, PlanSession] = {}  # by vLLM request id
         # reports of requests no longer in the batch, by tag; bounded (session.KEPT_FINISHED)
         self.finished: OrderedDict[str, RunReport] = OrderedDict()
-        self._compiler: PlanCompiler | None = None  # priors' plans, made at first use
+        self.totals = ServedTotals()  # over every finished request, for /metrics
+        # priors' plans, compiled on a thread of their own from each request's arrival
+        model = str(vllm_config.model_config.model)
+        self._compiler = PlanCompiler(model, self.block_size, engine_kind())
+        self._compiler.warm()
+        compile_early(self._compiler)
         self._failures: set[tuple[str, str]] = set()  # (what failed, exception type), logged
 
     # ---- vLLM interface ---------------------------------------------------------------------
@@ -159,32 +170,28 @@ class KapProposer:
 
     # ---- admission --------------------------------------------------------------------------
     def _session_for(self, req_id: str, req) -> PlanSession:
+        """The request's session, admitted at its first step (or, its prior's plan compiling
+        then, at the first step after the plan is ready)."""
         s = self.sessions.get(req_id)
-        if s is not None:
+        if s is not None and not s.compiled:
             return s
         sp = req.sampling_params
         extra = (sp.extra_args or {}) if sp else {}
-        s = PlanSession(tag=str(extra.get(TAG_KEY, req_id)))
-        s.prompt_tokens = len(req.prompt_token_ids or ())
-        if getattr(sp, "max_tokens", None) is not None:
-            s.end_tokens = s.prompt_tokens + int(sp.max_tokens)
+        if s is None:
+            s = self.sessions[req_id] = PlanSession(tag=str(extra.get(TAG_KEY, req_id)))
+            s.prompt_tokens = len(req.prompt_token_ids or ())
+            if getattr(sp, "max_tokens", None) is not None:
+                s.end_tokens = s.prompt_tokens + int(sp.max_tokens)
         try:
             self._admit_request(s, req, extra)
         except Exception as exc:  # noqa: BLE001 - one request's plan must not stop the engine
             self._hook_failed("admitting a plan", exc)
             s.refuse(f"plan refused: {failure('admission', exc)}")
-        self.sessions[req_id] = s
         return s
 
     def _admit_request(self, s: PlanSession, req, extra: dict) -> None:
-        admit_request(
-            s,
-            extra,
-            req.prompt_token_ids,
-            self._rules,
-            self._prior_compiler,
-            req.sampling_params,
-        )
+        ids, sp = req.prompt_token_ids, req.sampling_params
+        admit_request(s, extra, ids, self._rules, lambda: self._compiler, sp)
 
     def _rules(self) -> EngineRules:
         return EngineRules(
@@ -198,18 +205,13 @@ class KapProposer:
             keys_unreadable=self.keys.unreadable,
         )
 
-    def _prior_compiler(self) -> PlanCompiler:
-        if self._compiler is None:
-            model = str(self.vllm_config.model_config.model)
-            self._compiler = PlanCompiler(model, self.block_size, self.setup.kind)
-        return self._compiler
-
     # ---- statistics -------------------------------------------------------------------------
     def _prune(self, runner) -> None:
         live = compat.live_request_ids(runner)
         for rid in [r for r in self.sessions if r not in live]:
             report = self.sessions.pop(rid).report()
             remember(self.finished, report.tag, report)
+            self.totals.count(report)
             if report.source is not None:
                 log.info(finished_line(report))
 
@@ -243,11 +245,13 @@ class KapProposer:
         req_ids = compat.batch_request_ids(runner)[:n]
         contexts = [int(num_tokens_no_spec[row]) for row in range(n)]
         self.planner.step_done(called, req_ids, [len(t) for t in sampled_token_ids])
+        step = compat.step_schedule()
+        start_compiling(*compat.new_request_args(step))  # plans compile during their prefill
         rows = self._candidates(runner, req_ids, sampled_token_ids, contexts)
         if rows:
             drafting = {r.row for r in rows}
             others = [c for row, c in enumerate(contexts) if row not in drafting]
-            rows = self.planner.plan(rows, others, engine_load())
+            rows = self.planner.plan(rows, others, step_load(step))
         rows, drafts, cost = self._draft_rows(rows, token_ids_cpu)
         out: list[list[int]] = [[] for _ in range(n)]
         for r, d in zip(rows, drafts):

