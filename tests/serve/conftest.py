@@ -37,15 +37,26 @@ class Server:
         self.client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
         self.model = self.client.models.list().data[0].id
 
-    def chat(self, prior_key: str, max_tokens: int, xargs: dict | None = None, **kw) -> str:
+    def chat(
+        self,
+        prior_key: str,
+        max_tokens: int,
+        xargs: dict | None = None,
+        temperature: float = 0.0,
+        extra: dict | None = None,
+        **kw,
+    ) -> str:
         from kapc.client import chat_messages
 
+        body = dict(extra or {})
+        if xargs:
+            body["vllm_xargs"] = xargs
         reply = self.client.chat.completions.create(
             model=self.model,
             messages=chat_messages(PRIORS[prior_key]),
             max_tokens=max_tokens,
-            temperature=0,
-            extra_body={"vllm_xargs": xargs} if xargs else None,
+            temperature=temperature,
+            extra_body=body or None,
             **kw,
         )
         return reply.choices[0].message.content

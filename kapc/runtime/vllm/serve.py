@@ -5,7 +5,8 @@ extension, and one route of kapc's own.
   by name and a block size the engine supports; every option kapc does not set passes through.
 - `GET /kapc/stats` (everything the hook reports) and `GET /kapc/stats/<tag>` (one request's
   figures: status, reason, plan source, compile time, proposed, accepted, s) are served by
-  `stats_middleware`, which vLLM loads through its own `--middleware` option: no fork.
+  `stats_middleware`, which vLLM loads through its own `--middleware` option: no fork. It also
+  adds kapc's counters (`kapc_*`, `kapc_metrics`) to vLLM's Prometheus `GET /metrics`.
 - Each finished request with a plan is also logged by the worker (`kapc request <tag>: ...`).
 """
 
@@ -28,6 +29,7 @@ from kapc.errors import KapcError
 from kapc.policy import MAX_AUTO_K
 
 STATS_PATH = "/kapc/stats"
+METRICS_PATH = "/metrics"  # vLLM's Prometheus endpoint; kapc's counters are added to it
 CPU_KV_CACHE_GIB = 4.0  # SmolLM2-135M in fp32: 93K tokens, 22 requests of 4K at once
 MIDDLEWARE = "kapc.runtime.vllm.serve.stats_middleware"
 
@@ -296,9 +298,11 @@ def serve(cmd: ServerCommand, echo=print) -> int:
 
 
 async def stats_middleware(request, call_next):
-    """`GET /kapc/stats[/<tag>]`, answered from the workers' `kapc_stats`; every other request
-    passes through untouched."""
+    """`GET /kapc/stats[/<tag>]`, answered from the workers' `kapc_stats`; `GET /metrics` gets
+    kapc's counters after vLLM's own; every other request passes through untouched."""
     path = request.url.path
+    if path == METRICS_PATH and request.method == "GET":
+        return await _with_kapc_metrics(request, await call_next(request))
     if not (path == STATS_PATH or path.startswith(STATS_PATH + "/")):
         return await call_next(request)
     from urllib.parse import unquote
@@ -340,3 +344,78 @@ def _drafts(stats: dict) -> dict:
     """What every rank must agree on: each request's drafting (compile times differ by rank)."""
     keys = ("status", "proposed", "accepted", "accepted_per_pos", "retained_ratio", "k")
     return {tag: tuple(str(r.get(k)) for k in keys) for tag, r in stats.get("requests", {}).items()}
+
+
+def kapc_metrics(totals: dict) -> bytes:
+    """Prometheus text of the workers' counters (`kapc_metrics` of rank 0)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    def labelled(name, doc, label, values):
+        family = CounterMetricFamily(name, doc, labels=[label])
+        for value, count in sorted(values.items()):
+            family.add_metric([value], count)
+        return family
+
+    def counter(name, doc, value):
+        return CounterMetricFamily(name, doc, value=value)
+
+    class Collector:
+        def collect(self):
+            t = totals
+            yield labelled(
+                "kapc_requests",
+                "Requests that left the batch, by how their plan ran "
+                "(plan, fallback, refused, compiling, none).",
+                "status",
+                t["requests"],
+            )
+            yield labelled(
+                "kapc_fallbacks",
+                "Plans that stopped or never drafted, by cause.",
+                "cause",
+                t["fallbacks"],
+            )
+            yield counter("kapc_draft_tokens", "Draft tokens verified.", t["proposed"])
+            yield counter("kapc_accepted_tokens", "Draft tokens accepted.", t["accepted"])
+            yield counter("kapc_draft_cycles", "Draft cycles run.", t["draft_cycles"])
+            yield counter(
+                "kapc_held_steps",
+                "Steps a row that could draft was held by the step policy.",
+                t["held_steps"],
+            )
+            yield counter(
+                "kapc_prefill_held_steps",
+                "Engine steps in which no row drafted because the next step prefills.",
+                t["prefill_held_steps"],
+            )
+            yield counter("kapc_prior_compiles", "Priors compiled into plans.", t["compiles"])
+            yield counter(
+                "kapc_prior_compile_seconds", "Seconds spent compiling priors.", t["compile_s"]
+            )
+            yield GaugeMetricFamily(
+                "kapc_live_requests",
+                "Requests in the batch the hook holds sessions for.",
+                value=t["live"],
+            )
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Collector())
+    return generate_latest(registry)
+
+
+async def _with_kapc_metrics(request, response):
+    """vLLM's /metrics response with kapc's counters after it (unchanged if the workers do not
+    answer, or the engine runs without kapc's hook)."""
+    from fastapi.responses import Response
+
+    from kapc.runtime.vllm.compat import server_engine_client
+
+    body = b"".join([chunk async for chunk in response.body_iterator])
+    try:
+        results = await server_engine_client(request.app).collective_rpc("kapc_metrics")
+        body += kapc_metrics(results[0])
+    except Exception:  # noqa: BLE001, S110 - vLLM's own metrics still answer
+        pass
+    headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
+    return Response(body, status_code=response.status_code, headers=headers)

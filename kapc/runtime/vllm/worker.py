@@ -50,3 +50,17 @@ class KapWorkerExtension:
         if pop:
             p.planner.log.clear()
         return out
+
+    def kapc_metrics(self) -> dict:
+        """Counts since the engine started (`kapc.runtime.session.ServedTotals`, plus the steps
+        held before a prefill and the requests in the batch), for the server's `/metrics`."""
+        import msgspec
+
+        p = self._kapc_proposer()
+        if p._runner is not None:
+            p._prune(p._runner)
+        return {
+            **msgspec.to_builtins(p.totals),
+            "prefill_held_steps": p.planner.prefill_holds,
+            "live": len(p.sessions),
+        }
