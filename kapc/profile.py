@@ -126,6 +126,12 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
         verify model extrapolates."""
         return max((x.query for x in self.samples if x.kind == "verify"), default=0)
 
+    @property
+    def largest_batch(self) -> int:
+        """The most rows a step was timed with (0: none): a larger batch is not priced, since
+        its step times would be extrapolated (kapc.runtime.planner holds it at rest)."""
+        return max((x.batch for x in self.samples), default=0)
+
     def scaled(self, factors: dict[str, float]) -> Profile:
         """This profile with each named kind's step model multiplied by its factor (kinds not
         named keep theirs): the runtime's view of it once it has timed its own steps

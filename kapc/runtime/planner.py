@@ -8,7 +8,9 @@ measures: kapc.policy.StepClock), and overrides that choice by two rules of the 
 at rest now and then, timed, because a batch that always drafts never shows what drafting is
 weighed against; and rest while drafting steps have lately delivered fewer tokens a second than
 resting ones. Without a profile every candidate drafts (each plan's own rules decided at
-admission). Rows the caller marks `forced` draft whatever the profile says. With or without a
+admission). A batch larger than any the profile timed is not forecast (its step times would be
+extrapolated): it decodes plainly until `kapc calibrate` has measured such batches. Rows the
+caller marks `forced` draft whatever the profile says. With or without a
 profile, forced or not, no row drafts before a step that prefills (the engine's `EngineLoad`:
 kapc.policy.prefills_next).
 
@@ -81,6 +83,7 @@ class HookTimings(msgspec.Struct):
     rest_samples: int = 0  # steps held at rest to time a resting step
     held_by_rate: int = 0  # steps held because drafting steps delivered less lately
     held_by_prefill: int = 0  # steps held because the next step prefills (kapc.policy)
+    held_beyond_profile: int = 0  # steps held because the batch is larger than the profile timed
 
 
 class StepRecord(NamedTuple):
@@ -125,6 +128,7 @@ class StepPlanner:
 
     def __init__(self, profile=None, online: bool = True):
         self.timings = HookTimings()
+        self.prefill_holds = 0  # steps held before a prefill since the engine started
         self.log: deque[StepRecord] = deque(maxlen=100_000)
         self.use(profile, online)
 
@@ -154,11 +158,19 @@ class StepPlanner:
         forced or not (kapc.policy.prefills_next). Rows held back count a held step."""
         if prefills_next(load):
             self.timings.held_by_prefill += 1
+            self.prefill_holds += 1
             for r in rows:
                 r.session.held += 1
             return []
         if self.profile is None:
             return rows
+        if len(rows) + len(others) > self.profile.largest_batch and self.profile.samples:
+            # a batch the profile never timed: its forecast would be an extrapolation, and a
+            # wrong one lands on every row; such a batch decodes plainly (forced rows draft)
+            self.timings.held_beyond_profile += 1
+            for r in rows:
+                r.session.held += not r.session.forced
+            return [r for r in rows if r.session.forced]
         if not self.timings.forecast_from:
             self.timings.forecast_from = time.monotonic()
         forced = [r for r in rows if r.session.forced]

@@ -64,16 +64,33 @@ def test_forced_rows_draft_whatever_the_forecast():
     assert planner.plan(batch, [100]) == batch
 
 
+def test_a_batch_larger_than_the_profile_timed_is_not_forecast():
+    """A step with more rows than the profile ever timed would be extrapolated, so it decodes
+    plainly; forced rows still draft."""
+    profile = load_profile(RECORDED)
+    most = profile.largest_batch
+    assert most == max(x.batch for x in profile.samples if x.kind == "verify") > 1
+    planner = StepPlanner(profile, online=False)
+    batch = rows(2, p=0.9) + [Candidate(2, session(0.9, forced=True), 4095, 4)]
+    kept = planner.plan(batch, [4096] * (most - 2))  # most + 1 rows
+    assert [r.row for r in kept] == [2] and [r.session.held for r in batch] == [1, 1, 0]
+    assert planner.timings.held_beyond_profile == 1
+    planner.plan(rows(2, p=0.9), [4096] * (most - 2))  # most rows: the profile's to decide
+    assert planner.timings.held_beyond_profile == 1
+
+
 def test_no_row_drafts_before_a_step_that_prefills():
     """A newcomer with a free seat, or a prompt part-way through its chunks, means the next step
     prefills: drafting would delay its first token, so no row drafts, profile or not, forced or
     not."""
-    free_seat = EngineLoad(waiting=1, running=3, seats=8)
+    free_seat = EngineLoad(waiting=1, admissible=True, running=3, seats=8)
     assert prefills_next(free_seat) and prefills_next(EngineLoad(arriving=2, running=3, seats=8))
     assert prefills_next(EngineLoad(running=4, seats=4, prefilling=1))
-    # nothing waits, the engine cannot tell, or the newcomer has no seat to take: drafts pay
+    # nothing waits, the engine cannot tell, the newcomer has no seat to take, or it waits for
+    # KV blocks: drafts pay
     assert not prefills_next(EngineLoad(running=3, seats=8)) and not prefills_next(None)
-    assert not prefills_next(EngineLoad(waiting=5, arriving=1, running=8, seats=8))
+    assert not prefills_next(EngineLoad(waiting=5, admissible=True, arriving=1, running=8, seats=8))
+    assert not prefills_next(EngineLoad(waiting=5, admissible=False, running=3, seats=8))
     for planner in (StepPlanner(), StepPlanner(known_profile(), online=False)):
         batch = rows(3, p=0.8) + [Candidate(3, session(0.8, forced=True), 4095, 4)]
         assert planner.plan(batch, [100], free_seat) == []
