@@ -2,14 +2,19 @@
 vLLM with the same settings (`kapc serve --no-hook`), each a real server process.
 
 Requests are real HotpotQA prompts (the frontend's priors at each context length) sent as chat
-messages, greedy, streamed; kapc's requests carry their prior (compiled by the server at
-admission). For each server and each concurrency level (requests in flight) it reports output
-throughput, end-to-end latency and time-to-first-token percentiles, the share of requests that
-ran a plan, and whether every output equals plain vLLM's. Without `--warm` the first level also
-pays each prompt's first prefill (the prefix cache starts cold on both servers). Run it on a quiet
-machine: the two servers are timed one after the other.
+messages, greedy, streamed; kapc's requests carry their prior (compiled by the server as the
+request arrives). With `--short-share`, that share of the requests are short chats instead (the
+question alone, no prior), mixed in at random. The stream comes two ways: a fixed number of
+requests in flight (`--concurrency`), or Poisson arrivals at a rate (`--rates`, requests per
+second; the same seeded arrival times for both servers). For each server and each load it
+reports output throughput, time to first token (TTFT), time per output token after the first
+(TPOT) and end-to-end latency percentiles, goodput (requests a second that met the SLO:
+`--slo-ttft`, `--slo-tpot`), the share of requests that ran a plan, and whether every output
+equals plain vLLM's. Without `--warm` the first load also pays each prompt's first prefill (the
+prefix cache starts cold on both servers). Run it on a quiet machine: the two servers are timed
+one after the other.
 
-    python -m benchmarks.serve_load --requests 200 --concurrency 8,32
+    python -m benchmarks.serve_load --requests 200 --concurrency 8,32 --rates 0.5,1
 """
 
 from __future__ import annotations
@@ -36,10 +41,11 @@ def _ints(text: str) -> list[int]:
 def build_priors(
     contexts: list[int], questions: int, first: int, max_tokens: int, model: str | None = None
 ) -> list[dict]:
-    """[{"key", "context", "messages", "prior"}] for HotpotQA dev questions at each length."""
+    """[{"key", "context", "messages", "prior", "question"}] for HotpotQA dev questions at each
+    length."""
     from benchmarks.vllm_decode import fit_context
     from kapc.client import chat_messages
-    from kapc.frontend.hybrid import hotpotqa_prior
+    from kapc.frontend.hybrid import hotpotqa_prior, request_parts
     from kapc.policy import MAX_AUTO_K
     from kapc.prior import encode_prior
 
@@ -56,16 +62,35 @@ def build_priors(
                     "context": c,
                     "messages": chat_messages(prior),
                     "prior": encode_prior(prior, indent=0).decode(),
+                    "question": request_parts(prior.request)[1],
                 }
             )
             _log(f"  prior q{i} at {c} ({time.perf_counter() - t0:.1f}s)")
     return pool
 
 
+def short_chat(job: dict) -> dict:
+    """A short chat beside the long RAG prompts: the question alone, no prior, no plan."""
+    return {
+        "key": f"short-{job['key']}",
+        "context": 0,
+        "messages": [{"role": "user", "content": f"Answer in a few words: {job['question']}"}],
+        "prior": None,
+    }
+
+
+def request_stream(pool: list[dict], requests: int, short_share: float, seed: int) -> list[dict]:
+    """The requests of one load, in order: the pool's prompts in turn, `short_share` of them
+    (chosen at random, seeded) replaced by short chats."""
+    rng = np.random.default_rng(seed)
+    jobs = [pool[i % len(pool)] for i in range(requests)]
+    return [short_chat(j) if rng.random() < short_share else j for j in jobs]
+
+
 def one_request(client, model: str, job: dict, max_tokens: int, xargs: dict | None) -> dict:
     t0 = time.perf_counter()
     first = None
-    text, tokens = [], 0
+    text, tokens, chunks = [], 0, []
     try:
         stream = client.chat.completions.create(
             model=model,
@@ -78,71 +103,115 @@ def one_request(client, model: str, job: dict, max_tokens: int, xargs: dict | No
         )
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
+                chunks.append(time.perf_counter() - t0)
                 if first is None:
-                    first = time.perf_counter() - t0
+                    first = chunks[0]
                 text.append(chunk.choices[0].delta.content)
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
     except Exception as exc:  # noqa: BLE001 - a lost request is a result, reported as such
         return {"key": job["key"], "error": f"{type(exc).__name__}: {exc}"}
+    latency = time.perf_counter() - t0
     return {
         "key": job["key"],
         "text": "".join(text),
         "tokens": tokens,
-        "latency_s": time.perf_counter() - t0,
+        "latency_s": latency,
         "ttft_s": first,
+        # after the first token, seconds per token (a chunk may carry several drafted tokens)
+        "tpot_s": (latency - first) / (tokens - 1) if first is not None and tokens > 1 else None,
+        "itl_s": [b - a for a, b in zip(chunks, chunks[1:])],
     }
 
 
+def arrival_times(requests: int, rate: float, seed: int) -> np.ndarray:
+    """Seconds from the start at which each request is sent: a Poisson process at `rate`."""
+    rng = np.random.default_rng(seed)
+    return np.cumsum(rng.exponential(1.0 / rate, requests))
+
+
 def run_phase(
-    url: str, jobs: list[dict], concurrency: int, max_tokens: int, hook: bool, label: str
+    url: str,
+    jobs: list[dict],
+    load: tuple[str, float],
+    max_tokens: int,
+    hook: bool,
+    label: str,
+    seed: int = 0,
 ) -> tuple[list[dict], float]:
+    """Send `jobs` at `load`: ("concurrency", n) keeps n in flight; ("rate", r) sends them at
+    Poisson arrival times of rate r a second, however many are in flight."""
     from openai import OpenAI
 
     client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=1800)
     model = client.models.list().data[0].id
+    kind, value = load
+    start = time.perf_counter()
+    at = arrival_times(len(jobs), value, seed) if kind == "rate" else None
 
     def send(i_job):
         i, job = i_job
+        if at is not None:
+            time.sleep(max(0.0, start + at[i] - time.perf_counter()))
         xargs = None
-        if hook:
+        if hook and job["prior"] is not None:
             xargs = {"kapc_prior": job["prior"], "kapc_tag": f"{label}-{i}"}
         return one_request(client, model, job, max_tokens, xargs)
 
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
+    threads = len(jobs) if kind == "rate" else int(value)
+    with ThreadPoolExecutor(max(1, threads)) as pool:
         results = list(pool.map(send, enumerate(jobs)))
-    return results, time.perf_counter() - t0
+    return results, time.perf_counter() - start
 
 
 def _pct(values, q) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+def meets_slo(r: dict, slo: tuple[float, float]) -> bool:
+    """A request served within the SLO: its first token within slo[0] seconds, and each later
+    token within slo[1] on average (TPOT)."""
+    if "error" in r or r["ttft_s"] is None or r["ttft_s"] > slo[0]:
+        return False
+    return r["tpot_s"] is None or r["tpot_s"] <= slo[1]
+
+
 def summarize(
     server: str,
-    concurrency: int,
+    load: tuple[str, float],
     results: list[dict],
     wall: float,
     stats: dict | None,
     reference: list[dict] | None,
+    slo: tuple[float, float] = (2.0, 0.2),
 ) -> dict:
     ok = [r for r in results if "error" not in r]
     lat = [r["latency_s"] for r in ok]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+    tpot = [r["tpot_s"] for r in ok if r.get("tpot_s") is not None]
+    itl = [g for r in ok for g in r.get("itl_s", ())]
     row = {
         "server": server,
-        "concurrency": concurrency,
+        "load": f"{load[0]} {load[1]:g}",
+        "concurrency": int(load[1]) if load[0] == "concurrency" else None,
+        "rate": load[1] if load[0] == "rate" else None,
         "requests": len(results),
         "lost": len(results) - len(ok),
         "wall_s": wall,
         "out_tok_s": sum(r["tokens"] for r in ok) / wall,
+        "goodput_req_s": sum(meets_slo(r, slo) for r in results) / wall,
+        "slo": {"ttft_s": slo[0], "tpot_s": slo[1]},
         "latency_p50": _pct(lat, 50),
         "latency_p90": _pct(lat, 90),
         "latency_p99": _pct(lat, 99),
         "ttft_p50": _pct(ttft, 50),
         "ttft_p90": _pct(ttft, 90),
         "ttft_p99": _pct(ttft, 99),
+        "tpot_p50": _pct(tpot, 50),
+        "tpot_p90": _pct(tpot, 90),
+        "itl_p50": _pct(itl, 50),
+        "itl_p90": _pct(itl, 90),
+        "itl_p99": _pct(itl, 99),
     }
     if reference is not None:
         row["changed"] = sum(
@@ -171,19 +240,39 @@ def summarize(
     return row
 
 
-def main(argv=None) -> int:
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=200, help="requests per concurrency level")
+    ap.add_argument("--requests", type=int, default=200, help="requests per load")
     ap.add_argument(
         "--concurrency",
         type=_ints,
-        default=[8, 32],
-        help="requests in flight, comma-separated; each level sends --requests",
+        default=None,
+        help="requests in flight, comma-separated; each level sends --requests "
+        "(default 8,32 when no --rates are given)",
+    )
+    ap.add_argument(
+        "--rates",
+        type=_floats,
+        default=[],
+        help="Poisson arrival rates (requests a second), comma-separated; each sends --requests",
     )
     ap.add_argument("--contexts", type=_ints, default=[2048, 4096])
     ap.add_argument("--questions", type=int, default=16, help="distinct questions per context")
     ap.add_argument("--first", type=int, default=0, help="first HotpotQA dev question")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument(
+        "--short-share",
+        type=float,
+        default=0.0,
+        help="share of requests sent as short chats (the question alone, no prior)",
+    )
+    ap.add_argument("--seed", type=int, default=0, help="seeds the short chats and arrivals")
+    ap.add_argument("--slo-ttft", type=float, default=2.0, help="SLO: seconds to first token")
+    ap.add_argument("--slo-tpot", type=float, default=0.2, help="SLO: seconds per later token")
     ap.add_argument(
         "--model",
         default=None,
@@ -194,16 +283,29 @@ def main(argv=None) -> int:
         "--warm",
         action="store_true",
         help="prefill every distinct prompt once (one token, no plan) before timing, "
-        "so the levels measure decoding under load rather than first prefills",
+        "so the loads measure decoding under load rather than first prefills",
     )
     ap.add_argument("--json", type=Path, help="write the summary rows here")
     args = ap.parse_args(argv)
+    if not 0.0 <= args.short_share <= 1.0:
+        ap.error("--short-share is a share, between 0 and 1")
+    if any(r <= 0 for r in args.rates):
+        ap.error("--rates must be above zero")
+    if args.concurrency is None:
+        args.concurrency = [] if args.rates else [8, 32]
+    return args
 
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     from kapc.runtime.vllm.serve import free_port, running, server_command
 
     _log(f"building {len(args.contexts) * args.questions} priors")
     pool = build_priors(args.contexts, args.questions, args.first, args.max_tokens, args.model)
-    jobs = [pool[i % len(pool)] for i in range(args.requests)]
+    jobs = request_stream(pool, args.requests, args.short_share, args.seed)
+    loads = [("concurrency", float(c)) for c in args.concurrency]
+    loads += [("rate", r) for r in args.rates]
+    slo = (args.slo_ttft, args.slo_tpot)
     max_len = max(args.contexts) + 64
     rows, reference = [], {}
     logs = Path(tempfile.mkdtemp(prefix="kapc-serve-load-"))
@@ -221,23 +323,26 @@ def main(argv=None) -> int:
             _log(f"[{name}] up in {time.perf_counter() - t0:.0f}s (log {logs / f'{name}.log'})")
             if args.warm:
                 t0 = time.perf_counter()
-                run_phase(cmd.url, pool, 8, 1, False, f"{name}-warm")
-                _log(f"[{name}] {len(pool)} prompts prefilled in {time.perf_counter() - t0:.0f}s")
-            for c in args.concurrency:
-                label = f"{name}-c{c}"
-                results, wall = run_phase(cmd.url, jobs, c, args.max_tokens, hook, label)
+                warm = pool + [short_chat(j) for j in pool] if args.short_share else pool
+                run_phase(cmd.url, warm, ("concurrency", 8), 1, False, f"{name}-warm")
+                _log(f"[{name}] {len(warm)} prompts prefilled in {time.perf_counter() - t0:.0f}s")
+            for n, load in enumerate(loads):
+                label = f"{name}-l{n}"
+                results, wall = run_phase(
+                    cmd.url, jobs, load, args.max_tokens, hook, label, seed=args.seed
+                )
                 stats = None
                 if hook:
                     from kapc.client import server_stats
 
                     everything = server_stats(cmd.url)["requests"]
                     stats = {t: s for t, s in everything.items() if t.startswith(label + "-")}
-                row = summarize(name, c, results, wall, stats, reference.get(c))
+                row = summarize(name, load, results, wall, stats, reference.get(load), slo)
                 if not hook:
-                    reference[c] = results
+                    reference[load] = results
                 rows.append(row)
                 _log(
-                    f"[{name}] {c} in flight: "
+                    f"[{name}] {row['load']}: "
                     + json.dumps(
                         {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
                     )
@@ -249,15 +354,17 @@ def main(argv=None) -> int:
 
 
 def print_table(rows: list[dict]) -> None:
-    base = {r["concurrency"]: r for r in rows if r["server"] == "vllm"}
+    base = {r["load"]: r for r in rows if r["server"] == "vllm"}
     print(
-        "| server | in flight | requests | lost | changed | out tok/s | ratio | latency p50 / p90 / "
-        "p99 s | TTFT p50 / p90 / p99 s | plan / fallback / refused | acceptance |"
+        "| server | load | requests | lost | changed | out tok/s | ratio | goodput req/s | "
+        "TTFT p50 / p90 / p99 s | TPOT p50 / p90 s | ITL p90 s | latency p50 / p90 s | "
+        "plan / fallback / refused | acceptance |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     f = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    g = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     for r in rows:
-        b = base.get(r["concurrency"])
+        b = base.get(r["load"])
         ratio = r["out_tok_s"] / b["out_tok_s"] if b else None
         shares = (
             "-"
@@ -265,10 +372,12 @@ def print_table(rows: list[dict]) -> None:
             else f"{r['share_plan']:.0%} / {r['share_fallback']:.0%} / {r['share_refused']:.0%}"
         )
         print(
-            f"| {r['server']} | {r['concurrency']} | {r['requests']} | {r['lost']} | "
+            f"| {r['server']} | {r['load']} | {r['requests']} | {r['lost']} | "
             f"{r.get('changed', '-')} | {r['out_tok_s']:.1f} | {f(ratio)}x | "
-            f"{f(r['latency_p50'])} / {f(r['latency_p90'])} / {f(r['latency_p99'])} | "
-            f"{f(r['ttft_p50'])} / {f(r['ttft_p90'])} / {f(r['ttft_p99'])} | {shares} | "
+            f"{g(r['goodput_req_s'])} | "
+            f"{f(r['ttft_p50'])} / {f(r['ttft_p90'])} / {f(r['ttft_p99'])} | "
+            f"{g(r['tpot_p50'])} / {g(r['tpot_p90'])} | {g(r['itl_p90'])} | "
+            f"{f(r['latency_p50'])} / {f(r['latency_p90'])} | {shares} | "
             f"{f(r.get('acceptance'))} |"
         )
 

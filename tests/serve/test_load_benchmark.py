@@ -11,9 +11,12 @@ import pytest
 
 
 def test_the_load_benchmark_compares_the_two_servers(tmp_path):
+    """Two loads (2 in flight; Poisson arrivals at 2 a second) of 6 requests, half of them short
+    chats without a prior, through both servers."""
     rows_file = tmp_path / "rows.json"
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.serve_load", "--requests", "4", "--concurrency", "2"]
+        [sys.executable, "-m", "benchmarks.serve_load", "--requests", "6", "--concurrency", "2"]
+        + ["--rates", "2", "--short-share", "0.5", "--seed", "1"]
         + ["--contexts", "1024", "--questions", "2", "--max-tokens", "16"]
         + ["--json", str(rows_file)],
         capture_output=True,
@@ -21,10 +24,25 @@ def test_the_load_benchmark_compares_the_two_servers(tmp_path):
         timeout=900,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = {r["server"]: r for r in json.loads(rows_file.read_text())}
-    assert set(rows) == {"vllm", "kapc"}
-    assert all(r["requests"] == 4 and r["lost"] == 0 and r["out_tok_s"] > 0 for r in rows.values())
-    kapc = rows["kapc"]
-    assert kapc["changed"] == 0  # every greedy output equals plain vLLM's
-    assert kapc["share_plan"] + kapc["share_fallback"] == pytest.approx(1.0)
-    assert kapc["compiles"] >= 1 and kapc["share_refused"] == 0.0
+    rows = json.loads(rows_file.read_text())
+    assert sorted((r["server"], r["load"]) for r in rows) == [
+        ("kapc", "concurrency 2"),
+        ("kapc", "rate 2"),
+        ("vllm", "concurrency 2"),
+        ("vllm", "rate 2"),
+    ]
+    for r in rows:
+        assert r["requests"] == 6 and r["lost"] == 0 and r["out_tok_s"] > 0
+        assert r["ttft_p50"] > 0 and r["tpot_p50"] > 0 and r["goodput_req_s"] >= 0
+    for kapc in (r for r in rows if r["server"] == "kapc"):
+        assert kapc["changed"] == 0  # every greedy output equals plain vLLM's
+        assert kapc["share_plan"] + kapc["share_fallback"] == pytest.approx(1.0)
+        assert kapc["share_refused"] == 0.0
+    # seeded: the same short chats each time, some of each kind; only the long ones carry priors
+    from benchmarks.serve_load import request_stream
+
+    pool = [{"key": f"q{i}", "question": "?", "prior": "{}", "messages": []} for i in range(2)]
+    stream = request_stream(pool, 6, 0.5, 1)
+    assert 0 < sum(j["prior"] is None for j in stream) < 6
+    assert rows[0]["requests"] == len(stream)
+    assert sum(r["compiles"] for r in rows if r["server"] == "kapc") >= 1
