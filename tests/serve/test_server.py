@@ -249,7 +249,7 @@ def test_sampled_requests_draft_in_the_server(server):
         {**plan_xargs(prior=PRIORS["q0-4k"], tag=tag), "kapc_opts": FORCE},
         temperature=0.8,
         top_p=0.95,
-        extra={"top_k": 50, "seed": 7},
+        extra={"top_k": 50},
     )
     st = request_stats(server.root, tag)
     assert text and st["status"] == "plan" and st["accept"] == "sampled", st
