@@ -37,7 +37,10 @@ class Server:
         self.client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
         self.model = self.client.models.list().data[0].id
 
-    def chat(
+    def chat(self, prior_key: str, max_tokens: int, xargs: dict | None = None, **kw) -> str:
+        return self.reply(prior_key, max_tokens, xargs, **kw).choices[0].message.content
+
+    def reply(
         self,
         prior_key: str,
         max_tokens: int,
@@ -45,13 +48,15 @@ class Server:
         temperature: float = 0.0,
         extra: dict | None = None,
         **kw,
-    ) -> str:
+    ):
+        """The chat completion of the prior's messages (greedy unless told); `extra` goes to the
+        request body beside `vllm_xargs`."""
         from kapc.client import chat_messages
 
         body = dict(extra or {})
         if xargs:
             body["vllm_xargs"] = xargs
-        reply = self.client.chat.completions.create(
+        return self.client.chat.completions.create(
             model=self.model,
             messages=chat_messages(PRIORS[prior_key]),
             max_tokens=max_tokens,
@@ -59,7 +64,6 @@ class Server:
             extra_body=body or None,
             **kw,
         )
-        return reply.choices[0].message.content
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")

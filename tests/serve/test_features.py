@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kapc.client import chat_messages, plan_xargs, request_stats
+from kapc.client import plan_xargs, request_stats
 from tests.serve.conftest import FORCE, PRIORS, start_server
 
 
@@ -45,17 +45,7 @@ def _planned(key: str, tag: str) -> dict:
 
 
 def _chat(server, key: str, max_tokens: int, xargs: dict | None = None, **kw):
-    body = dict(kw.pop("extra_body", None) or {})
-    if xargs:
-        body["vllm_xargs"] = xargs
-    return server.client.chat.completions.create(
-        model=server.model,
-        messages=chat_messages(PRIORS[key]),
-        max_tokens=max_tokens,
-        temperature=kw.pop("temperature", 0),
-        extra_body=body or None,
-        **kw,
-    )
+    return server.reply(key, max_tokens, xargs, extra=kw.pop("extra_body", None), **kw)
 
 
 def _counter(server, name: str) -> float:
