@@ -683,7 +683,7 @@ def admit(
 
     The paper's fallback conditions, in the order they are checked: workspace capacity,
     retained ratio, prior confidence, predicted loss (and, while decoding, observed acceptance:
-    `AcceptanceMonitor`)."""
+    `AcceptanceMonitor`, and metadata stability: `moved_blocks`)."""
     rule = accept or header.accept
     topn = parse_accept(rule)
     if random_sampling:
@@ -864,6 +864,25 @@ class AcceptanceMonitor:
                 f"tokens is below the plan's min_acceptance {self.min_acceptance:.2f}"
             )
         return None
+
+
+# An engine that preempts a request frees its KV blocks and recomputes it into others later:
+# what the runtime derived from the old blocks (a query-aware view's key bounds) is read again.
+# A request moved more often than this is one the engine keeps evicting, short of KV cache, where
+# a draft's extra work and rebuilt metadata are least likely to pay.
+MAX_BLOCK_MOVES = 2
+
+
+def moved_blocks(moves: int, limit: int = MAX_BLOCK_MOVES) -> str | None:
+    """The paper's metadata-stability condition, while decoding: the reason to fall back once the
+    engine has moved a request's prompt KV blocks (preempted and recomputed it) more than `limit`
+    times under its plan, or None."""
+    if moves <= limit:
+        return None
+    return (
+        f"metadata stability: the engine moved the request's prompt KV blocks {moves} times "
+        f"under its plan (preempted and recomputed), more than {limit}"
+    )
 
 
 # ---- block sizes ----------------------------------------------------------------------------

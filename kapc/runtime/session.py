@@ -37,6 +37,7 @@ from kapc.policy import (
     admit,
     engine_blocks,
     estimated_p,
+    moved_blocks,
     parse_accept,
     visible_tokens,
 )
@@ -126,7 +127,8 @@ class RunReport(msgspec.Struct, kw_only=True):
     plan was admitted to draft (a later fallback keeps it True). `proposed` and `accepted` count
     verified drafts; `draft_cycles` the cycles that drafted, `steps` the engine steps that emitted
     tokens for the request (its prefill's included); `held` the steps the step planner kept it
-    from drafting."""
+    from drafting; `block_moves` the times the engine moved its prompt's KV blocks under the
+    plan (preempted and recomputed it)."""
 
     tag: str
     status: str = "none"
@@ -149,6 +151,7 @@ class RunReport(msgspec.Struct, kw_only=True):
     draft_cycles: int = 0
     steps: int = 0
     held: int = 0
+    block_moves: int = 0
     speedup_predicted: float | None = None
     compile_s: float | None = None  # seconds the request waited for its prior's plan
     compile_cached: bool = False
@@ -189,6 +192,8 @@ class PlanSession:
     access: AccessPolicy | None = None  # a dynamic or hybrid policy (None: static pages)
     view: AccessView | None = None  # the blocks a dynamic or hybrid view reads
     bounds: Any = None  # the runtime's key summaries of the prompt's full blocks (query-aware)
+    prompt_blocks: tuple[int, ...] | None = None  # the engine's blocks of its prompt, last seen
+    block_moves: int = 0
     monitor: AcceptanceMonitor | None = None
     proposed: int = 0
     accepted: int = 0
@@ -321,6 +326,22 @@ class PlanSession:
         """Plain decoding from now on: the drafts of the newest cycle are never verified."""
         self.status, self.reason, self.last_drafted = "fallback", reason, 0
 
+    def check_blocks(self, blocks) -> bool:
+        """Check where the engine keeps the request's prompt now (`blocks`: its block table,
+        prompt first) and return whether the plan still drafts. When the prompt's blocks moved
+        since they were last seen (the engine preempted the request and recomputed it elsewhere),
+        the key bounds read from the old blocks are dropped, to be read again, and past
+        `kapc.policy.moved_blocks`'s limit the plan falls back."""
+        now = tuple(int(b) for b in blocks[: self.tail_block + 1])
+        before, self.prompt_blocks = self.prompt_blocks, now
+        if before is not None and before != now:
+            self.block_moves += 1
+            self.bounds = None
+            reason = moved_blocks(self.block_moves)
+            if reason and self.drafting:
+                self.fall_back(reason)
+        return self.drafting
+
     def draft_row(self, drafts: int, context: int) -> DraftRow:
         """This request as the step planner weighs it: up to `drafts` drafts over a full context
         of `context` tokens, at the acceptance it has shown so far."""
@@ -389,6 +410,7 @@ class PlanSession:
             draft_cycles=self.draft_cycles,
             steps=self.steps,
             held=self.held,
+            block_moves=self.block_moves,
             speedup_predicted=float(h.cost.speedup) if h else None,
             compile_s=self.compile_s,
             compile_cached=self.compile_cached,
@@ -433,6 +455,7 @@ FALLBACK_CAUSES = (
     ("retained ratio", "retained_ratio"),
     ("prior confidence", "prior_confidence"),
     ("workspace", "workspace"),
+    ("metadata stability", "metadata_stability"),
     ("observed acceptance", "acceptance"),
     ("hook failed", "hook_failure"),
     ("proposal length", "no_drafts"),

@@ -8,9 +8,15 @@ import numpy as np
 import pytest
 
 from kapc.lower.kapb import FallbackPolicy, encode_plan
-from kapc.policy import AccessPolicy
+from kapc.policy import MAX_BLOCK_MOVES, AccessPolicy
 from kapc.runtime.planning import PlanTarget, plan_from_blocks
-from kapc.runtime.session import EngineRules, PlanSession, RequestOptions, RunReport
+from kapc.runtime.session import (
+    EngineRules,
+    PlanSession,
+    RequestOptions,
+    RunReport,
+    fallback_cause,
+)
 
 BLOCK = 16
 
@@ -170,6 +176,26 @@ def test_drafts_are_booked_until_the_plan_stops_paying(target, prompt):
     assert r.draft_cycles == 4 and r.acceptance_rate == pytest.approx(7 / 16)
     s.fall_back("drafting failed")
     assert s.last_drafted == 0 and s.reason == "drafting failed"
+
+
+def test_blocks_the_engine_moved_drop_their_key_bounds_and_then_the_plan(target, prompt):
+    """A preempted request comes back in other KV blocks: what was read from the old ones (key
+    bounds) is read again, and a request moved too often decodes plainly (metadata stability)."""
+    s = admitted(target, prompt)
+    table = np.arange(100, 100 + s.tail_block + 3)  # the prompt's blocks, then decode blocks
+    assert s.check_blocks(table) and s.block_moves == 0
+    s.bounds = "read from the first blocks"
+    grown = np.concatenate([table, [7]])  # decoding adds blocks past the prompt: no move
+    assert s.check_blocks(grown) and s.bounds is not None and s.block_moves == 0
+    for move in range(1, MAX_BLOCK_MOVES + 1):
+        s.bounds = "read again"
+        assert s.check_blocks(table + 1000 * move)
+        assert s.bounds is None and s.block_moves == move and s.status == "plan"
+    assert not s.check_blocks(table)
+    r = s.report()
+    assert r.status == "fallback" and r.block_moves == MAX_BLOCK_MOVES + 1
+    assert r.reason.startswith("metadata stability") and r.ran
+    assert fallback_cause(r.reason) == "metadata_stability"
 
 
 def test_a_session_without_a_plan_reports_plain_decoding(prompt):

@@ -55,8 +55,9 @@ class KeyPages:
 
     def table_router(self, rows):
         """The page choice of a cycle's query-aware rows (kapc.runtime.planner.Candidate): their
-        key bounds (read from the cache once per request, the first time it drafts) stacked once
-        for as long as the same rows draft together."""
+        key bounds (read from the cache once per request, the first time it drafts, and again
+        after the engine moved its blocks) stacked once for as long as the same rows draft
+        together."""
         from kapc.runtime.selection import KeySummaries, TableRouter, row_masks
 
         for r in rows:
@@ -65,7 +66,7 @@ class KeyPages:
                 pool = [int(b) for b in r.blocks[: s.tail_block]]
                 lo, hi = compat.key_bounds(self.vllm_config, self.layout, self.reader, pool)
                 s.bounds = (lo, hi, torch.tensor(pool, dtype=torch.long))
-        key = tuple(r.session.serial for r in rows)
+        key = tuple((r.session.serial, r.session.block_moves) for r in rows)
         if self._stacked is None or self._stacked[0] != key:
             self._stacked = (key, KeySummaries.stack([r.session.bounds for r in rows]))
         summ = self._stacked[1]

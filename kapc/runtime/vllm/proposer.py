@@ -277,7 +277,7 @@ class KapProposer:
             budget = draft_budget(
                 s.k, len(blocks), self.block_size, position, self.max_model_len, s.end_tokens
             )
-            if budget >= 1:
+            if budget >= 1 and s.check_blocks(blocks):
                 rows.append(Candidate(row, s, position, budget, blocks))
         return rows
 
