@@ -39,22 +39,33 @@ def _ints(text: str) -> list[int]:
 
 
 def build_priors(
-    contexts: list[int], questions: int, first: int, max_tokens: int, model: str | None = None
+    contexts: list[int],
+    questions: int,
+    first: int,
+    max_tokens: int,
+    model: str | None = None,
+    shared: bool = False,
 ) -> list[dict]:
     """[{"key", "context", "messages", "prior", "question"}] for HotpotQA dev questions at each
-    length."""
+    length; with `shared`, the questions of a length read one document (each its own question
+    and prior), so a server prefills the document once and the rest from its prefix cache."""
     from benchmarks.vllm_decode import fit_context
     from kapc.client import chat_messages
-    from kapc.frontend.hybrid import hotpotqa_prior, request_parts
+    from kapc.frontend.hybrid import hotpotqa_prior, hotpotqa_shared_priors, request_parts
     from kapc.policy import MAX_AUTO_K
     from kapc.prior import encode_prior
 
     pool = []
     for c in contexts:
-        for i in range(first, first + questions):
+        target = fit_context(c, max_tokens, MAX_AUTO_K, 32, model)
+        indices = range(first, first + questions)
+        shared_priors = hotpotqa_shared_priors(indices, target, model=model) if shared else None
+        for n, i in enumerate(indices):
             t0 = time.perf_counter()
-            prior = hotpotqa_prior(
-                i, context_tokens=fit_context(c, max_tokens, MAX_AUTO_K, 32, model), model=model
+            prior = (
+                shared_priors[n]
+                if shared_priors
+                else hotpotqa_prior(i, context_tokens=target, model=model)
             )
             pool.append(
                 {
@@ -263,6 +274,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--contexts", type=_ints, default=[2048, 4096])
     ap.add_argument("--questions", type=int, default=16, help="distinct questions per context")
     ap.add_argument("--first", type=int, default=0, help="first HotpotQA dev question")
+    ap.add_argument(
+        "--shared-document",
+        action="store_true",
+        help="the questions of a length read one long document (each its own question and "
+        "prior): what long contexts cost to prefill here is paid once per server",
+    )
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument(
         "--short-share",
@@ -301,7 +318,9 @@ def main(argv=None) -> int:
     from kapc.runtime.vllm.serve import free_port, running, server_command
 
     _log(f"building {len(args.contexts) * args.questions} priors")
-    pool = build_priors(args.contexts, args.questions, args.first, args.max_tokens, args.model)
+    pool = build_priors(
+        args.contexts, args.questions, args.first, args.max_tokens, args.model, args.shared_document
+    )
     jobs = request_stream(pool, args.requests, args.short_share, args.seed)
     loads = [("concurrency", float(c)) for c in args.concurrency]
     loads += [("rate", r) for r in args.rates]
@@ -324,6 +343,9 @@ def main(argv=None) -> int:
             if args.warm:
                 t0 = time.perf_counter()
                 warm = pool + [short_chat(j) for j in pool] if args.short_share else pool
+                if args.shared_document:  # each document alone first, then from the cache
+                    docs = [next(j for j in pool if j["context"] == c) for c in args.contexts]
+                    run_phase(cmd.url, docs, ("concurrency", 1), 1, False, f"{name}-doc")
                 run_phase(cmd.url, warm, ("concurrency", 8), 1, False, f"{name}-warm")
                 _log(f"[{name}] {len(warm)} prompts prefilled in {time.perf_counter() - t0:.0f}s")
             for n, load in enumerate(loads):

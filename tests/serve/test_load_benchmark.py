@@ -46,3 +46,22 @@ def test_the_load_benchmark_compares_the_two_servers(tmp_path):
     assert 0 < sum(j["prior"] is None for j in stream) < 6
     assert rows[0]["requests"] == len(stream)
     assert sum(r["compiles"] for r in rows if r["server"] == "kapc") >= 1
+
+
+def test_a_shared_document_is_one_prefix_for_every_question():
+    """`--shared-document`: the questions of a length read one document, so their prompts share
+    it as a prefix (a server prefills it once); each keeps its own question and prior."""
+    import os
+
+    from benchmarks.serve_load import build_priors
+
+    def contents(shared: bool) -> list[str]:
+        pool = build_priors([1024], 2, 0, 16, shared=shared)
+        assert [j["key"] for j in pool] == ["q0@1024", "q1@1024"]
+        assert pool[0]["question"] != pool[1]["question"] and pool[0]["prior"] != pool[1]["prior"]
+        return ["".join(m["content"] for m in j["messages"]) for j in pool]
+
+    shared = contents(True)
+    assert len(os.path.commonprefix(shared)) > 0.8 * min(map(len, shared))
+    own = contents(False)
+    assert len(os.path.commonprefix(own)) < 0.5 * min(map(len, own))
