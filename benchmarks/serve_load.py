@@ -167,7 +167,8 @@ def run_phase(
         xargs = None
         if hook and job["prior"] is not None:
             xargs = {"kapc_prior": job["prior"], "kapc_tag": f"{label}-{i}"}
-        return one_request(client, model, job, max_tokens, xargs)
+        sent = time.perf_counter() - start
+        return {**one_request(client, model, job, max_tokens, xargs), "sent_s": sent}
 
     threads = len(jobs) if kind == "rate" else int(value)
     with ThreadPoolExecutor(max(1, threads)) as pool:
@@ -248,7 +249,19 @@ def summarize(
                 if s["status"] == "fallback" and s.get("reason")
             }
         )
+    row["per_request"] = [_one(i, r, stats) for i, r in enumerate(results)]
     return row
+
+
+def _one(i: int, r: dict, stats: dict | None) -> dict:
+    """One request of a load, for the record: when it was sent, its timings and, from kapc's
+    report, what its plan did."""
+    keep = ("key", "sent_s", "ttft_s", "tpot_s", "latency_s", "tokens", "error")
+    one = {k: r[k] for k in keep if k in r}
+    report = next((v for t, v in (stats or {}).items() if t.rsplit("-", 1)[-1] == str(i)), None)
+    if report is not None:
+        one |= {k: report[k] for k in ("status", "proposed", "accepted", "held", "compile_s")}
+    return one
 
 
 def _floats(text: str) -> list[float]:

@@ -34,10 +34,14 @@ def test_the_load_benchmark_compares_the_two_servers(tmp_path):
     for r in rows:
         assert r["requests"] == 6 and r["lost"] == 0 and r["out_tok_s"] > 0
         assert r["ttft_p50"] > 0 and r["tpot_p50"] > 0 and r["goodput_req_s"] >= 0
+        each = r["per_request"]  # every request's own timings, for reading a percentile
+        assert len(each) == 6 and all(e["ttft_s"] > 0 and e["sent_s"] >= 0 for e in each)
     for kapc in (r for r in rows if r["server"] == "kapc"):
         assert kapc["changed"] == 0  # every greedy output equals plain vLLM's
         assert kapc["share_plan"] + kapc["share_fallback"] == pytest.approx(1.0)
         assert kapc["share_refused"] == 0.0
+        planned = [e for e in kapc["per_request"] if "status" in e]  # those that sent a prior
+        assert planned and all(e["status"] in ("plan", "fallback") for e in planned)
     # seeded: the same short chats each time, some of each kind; only the long ones carry priors
     from benchmarks.serve_load import request_stream
 
