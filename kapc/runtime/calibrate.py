@@ -438,19 +438,21 @@ def access_of(mode: str, plans) -> list | None:
 
 
 def build_acceptance_cases(
-    grid: Grid, context: int, block_size: int, k: int
+    grid: Grid, context: int, block_size: int, k: int, model: str | None = None
 ) -> list[tuple[list[int], list[bytes]]]:
-    """Prompt ids and plan bytes (one per budget) for the calibration split at `context` tokens.
-    Runs the frontend: call it in a child process before starting an in-process vLLM engine."""
+    """Prompt ids and plan bytes (one per budget) for the calibration split at `context` tokens,
+    for `model` (a name or folder; the default model when None): the prompts are its tokens and
+    the plans carry its fingerprint, or the engine refuses them. Runs the frontend: call it in a
+    child process before starting an in-process vLLM engine."""
     from kapc.compiler import compile_to_kapb
     from kapc.frontend.hybrid import hotpotqa_prior
     from kapc.lower.kapb import decode_plan
     from kapc.passes import CompileContext
 
-    ctx = CompileContext()
+    ctx = CompileContext(model)
     cases = []
     for i in range(CALIBRATION_QUESTIONS, CALIBRATION_QUESTIONS + grid.acceptance_questions):
-        prior = hotpotqa_prior(i, context_tokens=context)
+        prior = hotpotqa_prior(i, context_tokens=context, model=model)
         plans = [
             compile_to_kapb(
                 prior,
@@ -609,7 +611,9 @@ class ReferenceBench:
         k = 4
         ex = self._executor()
         pts: dict[str, list] = {}
-        for ids, plans in build_acceptance_cases(grid, context, self.block_size, k):
+        for ids, plans in build_acceptance_cases(
+            grid, context, self.block_size, k, str(self.m.path)
+        ):
             for mode in grid.access_modes:
                 access = access_of(mode, plans) or [None] * len(plans)
                 for rule in grid.rules:

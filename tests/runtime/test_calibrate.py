@@ -228,3 +228,20 @@ def test_calibrate_commands_measure_show_plot_and_refit_a_profile(tmp_path, monk
     refit = CliRunner().invoke(app, ["calibrate", "refit", str(out)])
     assert refit.exit_code == 0 and "fitted again" in refit.output
     assert load_profile(out).samples == profile.samples
+
+
+def test_acceptance_plans_are_compiled_for_the_model_being_calibrated():
+    """Calibrating the long-context model must time its acceptance on its own prompts and plans:
+    plans compiled for the default model carry another fingerprint and are refused."""
+    from kapc.lower.kapb import decode_plan
+    from kapc.models import LONG_CONTEXT_MODEL, load_assets
+    from kapc.runtime.calibrate import build_acceptance_cases
+
+    qwen = load_assets(LONG_CONTEXT_MODEL)
+    ((ids, plans),) = build_acceptance_cases(TINY, 1024, 32, 4, LONG_CONTEXT_MODEL)
+    assert len(plans) == len(TINY.budgets)
+    for data in plans:
+        plan = decode_plan(data)
+        assert plan.header.model_fingerprint == qwen.fingerprint
+        assert plan.header.tokenizer_fingerprint == qwen.tokenizer_fingerprint
+        assert [int(t) for t in plan.prompt_token_ids] == ids

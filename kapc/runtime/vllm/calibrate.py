@@ -241,7 +241,12 @@ class VllmBench:
         with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
             self._accept_cases = {
                 L: pool.submit(
-                    build_acceptance_cases, grid, L, self.block_size, ACCEPTANCE_K
+                    build_acceptance_cases,
+                    grid,
+                    L,
+                    self.block_size,
+                    ACCEPTANCE_K,
+                    str(self.model_dir),
                 ).result()
                 for L in grid.acceptance_contexts
             }
