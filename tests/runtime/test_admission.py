@@ -96,6 +96,23 @@ def test_priors_compile_off_the_engine_step(ctx):
     assert late.status == "plan" and late.compile_cached
 
 
+def test_a_compile_started_early_is_booked_on_the_request_it_was_started_for(ctx):
+    """A prior whose compile started as its request arrived and finished during its prefill is
+    that request's compile (seconds reported, not "cached"); the next request with the same
+    prior takes the cached plan. The server's compile counts read this."""
+    from kapc.runtime.vllm import admission
+
+    one = PlanCompiler(str(ctx.assets.path), block_size=32, engine="vllm-cpu")
+    prior = PRIOR_700.read_text()
+    admission.compile_early(one)
+    admission.start_compiling({"kapc_prior": prior})  # as the request arrives
+    one.submit(prior, early=True).result(timeout=120)  # done before the request is admitted
+    first = one.compile(prior)
+    assert not first.cached and first.seconds > 0
+    again = one.compile(prior)
+    assert again.cached and again.seconds == 0.0 and again.data == first.data
+
+
 def chat_ids(ctx, path) -> list[int]:
     from transformers import AutoTokenizer
 

@@ -46,8 +46,9 @@ CACHED_PLANS = 256  # compiled plans kept per engine, least recently used droppe
 
 @dataclass(frozen=True)
 class Compiled:
-    """One prior's plan: the `.kapb` bytes, the seconds this request waited for them (0.0 when
-    the plan came from the cache) and whether it did."""
+    """One prior's plan: the `.kapb` bytes, the seconds compiling it took (booked on the request
+    it was compiled for, even when the compile started before its admission; 0.0 when the plan
+    came from another request's compile) and whether it did."""
 
     data: bytes
     seconds: float
@@ -78,6 +79,8 @@ class PlanCompiler:
         self.capacity = int(capacity)
         self._plans: OrderedDict[str, bytes] = OrderedDict()
         self._running: dict[str, Future] = {}  # compiles in flight, by key
+        self._early: set[str] = set()  # compiles started early, no request admitted with them yet
+        self._unclaimed: dict[str, float] = {}  # seconds of early compiles done, unclaimed
         self._lock = threading.Lock()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kapc-compile")
         self._ctx = None  # one CompileContext: the tokenizer loads once per engine
@@ -95,22 +98,29 @@ class PlanCompiler:
         own errors name their JSON path) when it cannot be compiled."""
         return self.submit(value).result()
 
-    def submit(self, value) -> Future:
+    def submit(self, value, early: bool = False) -> Future:
         """The plan of a prior (a Future of `Compiled`): taken from the cache, joined to the same
-        prior's compile in flight, or compiled on the compiler's thread. The future raises
-        KapcError when the prior cannot be compiled; a value that is no prior raises here."""
+        prior's compile in flight, or compiled on the compiler's thread. `early`: started as the
+        request arrives, before admission asks; the first admission that asks is given the
+        compile as its own. The future raises KapcError when the prior cannot be compiled; a
+        value that is no prior raises here."""
         text = prior_text(value)
         key = self.key(text)
         with self._lock:
             data = self._plans.get(key)
             if data is not None:
                 self._plans.move_to_end(key)
+                seconds = None if early else self._unclaimed.pop(key, None)
                 done: Future = Future()
-                done.set_result(Compiled(data=data, seconds=0.0, cached=True))
+                done.set_result(Compiled(data, seconds or 0.0, cached=seconds is None))
                 return done
             running = self._running.get(key)
             if running is None:
                 running = self._running[key] = self._thread.submit(self._compile, text, key)
+                if early:
+                    self._early.add(key)
+            elif not early:
+                self._early.discard(key)  # admission joins it: the result is its own
             return running
 
     def _context(self):
@@ -131,12 +141,16 @@ class PlanCompiler:
             seconds = time.perf_counter() - t0
             with self._lock:
                 self._plans[key] = data
+                if key in self._early:
+                    self._early.discard(key)
+                    self._unclaimed[key] = seconds
                 while len(self._plans) > self.capacity:
-                    self._plans.popitem(last=False)
+                    self._unclaimed.pop(self._plans.popitem(last=False)[0], None)
             return Compiled(data=data, seconds=seconds, cached=False)
         finally:
             with self._lock:
                 self._running.pop(key, None)
+                self._early.discard(key)  # a compile that failed is no one's
 
 
 _early: dict[str, PlanCompiler] = {}  # "compiler": the engine's, where its scheduler can reach it
@@ -156,7 +170,7 @@ def start_compiling(*extras: dict | None) -> None:
         if compiler is None or not extra or extra.get(PRIOR_KEY) is None or PLAN_KEY in extra:
             continue
         try:
-            compiler.submit(extra[PRIOR_KEY])
+            compiler.submit(extra[PRIOR_KEY], early=True)
         except Exception:  # noqa: BLE001, S110 - admission says why
             pass
 
