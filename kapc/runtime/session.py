@@ -192,7 +192,7 @@ class PlanSession:
     access: AccessPolicy | None = None  # a dynamic or hybrid policy (None: static pages)
     view: AccessView | None = None  # the blocks a dynamic or hybrid view reads
     bounds: Any = None  # the runtime's key summaries of the prompt's full blocks (query-aware)
-    prompt_blocks: tuple[int, ...] | None = None  # the engine's blocks of its prompt, last seen
+    prompt_blocks: list[int] | None = None  # the engine's blocks of its prompt, last seen
     block_moves: int = 0
     monitor: AcceptanceMonitor | None = None
     proposed: int = 0
@@ -332,7 +332,7 @@ class PlanSession:
         since they were last seen (the engine preempted the request and recomputed it elsewhere),
         the key bounds read from the old blocks are dropped, to be read again, and past
         `kapc.policy.moved_blocks`'s limit the plan falls back."""
-        now = tuple(int(b) for b in blocks[: self.tail_block + 1])
+        now = list(blocks[: self.tail_block + 1])  # a list slice: checked at every draft
         before, self.prompt_blocks = self.prompt_blocks, now
         if before is not None and before != now:
             self.block_moves += 1
