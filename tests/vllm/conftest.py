@@ -54,20 +54,13 @@ def other_block_plans(ctx):
     }
 
 
-def _engine(hook: bool):
+def _engine(hook: bool, **overrides):
     from kapc.runtime.vllm import make_engine
 
     # in-process engine core and worker: two engines in one test session start in ~40 s, not
     # ~3 min (each vLLM process re-imports vllm and torch)
-    return make_engine(
-        block_size=BLOCK,
-        k=K,
-        hook=hook,
-        max_model_len=2048,
-        max_num_seqs=8,
-        kv_cache_gib=1,
-        in_process=True,
-    )
+    settings = dict(max_model_len=2048, max_num_seqs=8, kv_cache_gib=1, in_process=True)
+    return make_engine(block_size=BLOCK, k=K, hook=hook, **{**settings, **overrides})
 
 
 # sampled decoding: many seeded requests on one prompt, so that token frequencies can be compared

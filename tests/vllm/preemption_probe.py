@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
-from tests.vllm.conftest import BLOCK, K
+from tests.vllm.conftest import _engine
 
 TOKENS = 128
 
@@ -36,23 +36,14 @@ def watch_bounds(seen: dict) -> None:
 
 
 def main(cases_path: str, out_path: str) -> None:
-    from kapc.runtime.vllm import generate, make_engine
+    from kapc.runtime.vllm import generate
 
     cases = json.loads(open(cases_path).read())
     ids = [c[0] for c in cases]
     plans = [bytes.fromhex(c[1]) for c in cases]
     # about 2,100 tokens: two of the prompts and about 80 more tokens each; the prefix cache is
     # off, so a recomputed prompt never finds its old blocks
-    eng = make_engine(
-        block_size=BLOCK,
-        k=K,
-        hook=True,
-        max_model_len=2048,
-        max_num_seqs=8,
-        kv_cache_gib=0.09,
-        enable_prefix_caching=False,
-        in_process=True,
-    )
+    eng = _engine(True, kv_cache_gib=0.09, enable_prefix_caching=False)
     try:
         eng.use_profile("none")
         plain = generate(eng, ids, None, max_tokens=TOKENS, ignore_eos=True)
