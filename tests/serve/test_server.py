@@ -129,6 +129,30 @@ def test_32_concurrent_requests_of_mixed_lengths(server, reference, kapb):
     ]
 
 
+def test_a_request_arriving_while_a_plan_drafts_is_not_kept_waiting_for_its_drafts(server):
+    """Requests sent while a planned request streams reach the engine while one of its steps
+    drafts or verifies, after the step was scheduled: the engine core counts them as they
+    arrive, and the worker holds or stops the drafting (`held_by_arrival`) so that the next step
+    prefills the newcomer at once. The streamed output stays what the prompt gives without a
+    plan."""
+    long_run = {"ignore_eos": True}
+    plain = server.chat("q0-4k", 48, extra=long_run)  # also leaves its prompt in the prefix cache
+    before = server_stats(server.root)["timing"]["held_by_arrival"]
+    xargs = {**plan_xargs(prior=PRIORS["q0-4k"], tag=_tag("interrupted")), "kapc_opts": FORCE}
+    pieces, newcomers = [], []
+    with ThreadPoolExecutor(4) as pool:
+        for chunk in server.reply("q0-4k", 48, xargs, extra=long_run, stream=True):
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+                if len(pieces) in (2, 4, 6, 8):
+                    newcomers.append(pool.submit(server.chat, "q2", 4))
+        assert all(f.result() for f in newcomers)
+    assert "".join(pieces) == plain
+    assert len(newcomers) >= 3, "the plan emitted too few chunks to interleave newcomers"
+    held = server_stats(server.root)["timing"]["held_by_arrival"] - before
+    assert held >= 1, "no newcomer stopped a draft cycle"
+
+
 def _kv_usage(server) -> float:
     with urllib.request.urlopen(server.root + "/metrics", timeout=10) as r:
         text = r.read().decode()

