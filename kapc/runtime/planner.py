@@ -88,6 +88,7 @@ class HookTimings(msgspec.Struct):
     # steps held, or draft cycles stopped and their drafts dropped, because a request arrived
     # after the step was scheduled and the next step will prefill it
     held_by_arrival: int = 0
+    held_for_first_token: int = 0  # steps held because their output carries a first token
     held_beyond_profile: int = 0  # steps held because the batch is larger than the profile timed
 
 
@@ -166,13 +167,15 @@ class StepPlanner:
         others: list[int],
         load: EngineLoad | None = None,
         arrivals: Callable[[], int] | None = None,
+        first_tokens: int = 0,
     ) -> list[Candidate]:
         """The rows that draft this step, each capped at the drafts that pay (all of them
         without a profile), in batch order; `others` are the contexts of the rows that cannot
         draft, `load` what else the engine held when it scheduled the step, `arrivals()` how
         many requests it has received since (asked again as the rows draft:
-        `stops_for_arrival`). Before a step that prefills no row drafts, forced or not
-        (kapc.policy.prefills_next). Rows held back count a held step."""
+        `stops_for_arrival`), `first_tokens` the rows whose first token this step emits. Before a
+        step that prefills no row drafts, nor in a step that emits a first token, forced or not
+        (kapc.policy). Rows held back count a held step."""
         self._load, self._arrivals = load, arrivals
         if prefills_next(load):
             self.timings.held_by_prefill += 1
@@ -180,6 +183,10 @@ class StepPlanner:
             self._hold(rows)
             return []
         if self.stops_for_arrival(rows):
+            return []
+        if first_tokens:
+            self.timings.held_for_first_token += 1
+            self._hold(rows)
             return []
         if self.profile is None:
             return rows

@@ -125,6 +125,19 @@ def test_a_request_arriving_after_the_step_was_scheduled_stops_drafting():
         assert planner.timings.held_by_arrival == 2 and planner.prefill_holds == 2
 
 
+def test_no_row_drafts_in_a_step_that_emits_a_first_token():
+    """A step's tokens leave the engine once its drafts are made: while a row's first token is in
+    the output, no row drafts, forced or not; the step after is the profile's to decide."""
+    quiet = EngineLoad(running=3, seats=8)
+    for planner in (StepPlanner(), StepPlanner(known_profile(), online=False)):
+        batch = rows(2, p=0.9) + [Candidate(2, session(0.9, forced=True), 4095, 4)]
+        assert planner.plan(batch, [100], quiet, first_tokens=1) == []
+        assert [r.session.held for r in batch] == [1, 1, 1]
+        assert planner.timings.held_for_first_token == 1
+        assert planner.plan(batch, [100], quiet) != []
+        assert planner.timings.held_for_first_token == 1
+
+
 def test_the_clock_rests_one_step_in_sixteen_and_holds_while_drafting_loses():
     planner = StepPlanner(known_profile())
     drafted = []

@@ -585,6 +585,20 @@ def test_no_drafts_past_the_last_token_a_request_may_emit(engine, cases, baselin
     assert res[0]["timing"]["draft_forwards"] == 1
 
 
+def test_no_row_drafts_in_the_step_that_emits_a_first_token(engine, cases, baseline):
+    """The engine sends a step's tokens once its drafts are made: a first token must not wait for
+    a draft cycle. With max_tokens 2 the prefill emits one token and the plain step after it the
+    last, so nothing is ever drafted."""
+    from kapc.runtime.vllm import generate
+
+    res = generate(
+        engine, [cases[0].ids], [cases[0].plan], max_tokens=2, honor_predicted_loss=False
+    )
+    assert res[0]["tokens"] == baseline[0][:2] and res[0]["status"] == "plan"
+    assert res[0]["timing"]["held_for_first_token"] >= 1
+    assert res[0]["timing"]["draft_forwards"] == 0
+
+
 def test_no_row_drafts_while_a_prompt_is_still_being_prefilled(engine, cases, baseline):
     """Fresh prompts longer than one step's token budget are prefilled over two steps; until
     they are, a planned row decodes plainly (drafting would delay their first tokens), then it

@@ -244,11 +244,11 @@ class KapProposer:
         self.planner.step_done(called, req_ids, [len(t) for t in sampled_token_ids])
         step = compat.step_schedule()
         start_compiling(*compat.new_request_args(step))  # plans compile during their prefill
-        rows = self._candidates(runner, req_ids, sampled_token_ids, contexts)
+        rows, firsts = self._candidates(runner, req_ids, sampled_token_ids, contexts)
         if rows:
             drafting = {r.row for r in rows}
             others = [c for row, c in enumerate(contexts) if row not in drafting]
-            rows = self.planner.plan(rows, others, step_load(step), step_arrivals(step))
+            rows = self.planner.plan(rows, others, step_load(step), step_arrivals(step), firsts)
         rows, drafts, cost = self._draft_rows(rows, token_ids_cpu)
         out: list[list[int]] = [[] for _ in range(n)]
         for r, d in zip(rows, drafts):
@@ -257,16 +257,17 @@ class KapProposer:
         self.planner.call_done(called, time.perf_counter(), req_ids, contexts, rows, written, cost)
         return out
 
-    def _candidates(self, runner, req_ids, sampled, contexts) -> list[Candidate]:
-        """Book what the last step emitted for every request, and return the rows that may
-        draft now, each with the most drafts the engine allows it."""
-        rows = []
+    def _candidates(self, runner, req_ids, sampled, contexts) -> tuple[list[Candidate], int]:
+        """Book what the last step emitted for every request; return the rows that may draft
+        now, each with the most drafts the engine allows it, and how many emitted a first token."""
+        rows, firsts = [], 0
         for row, rid in enumerate(req_ids):
             req = compat.batch_request(runner, rid)
             if req is None:
                 continue
             s = self._session_for(rid, req)
             s.sampled(len(sampled[row]))
+            firsts += s.steps == 1 and bool(sampled[row])
             position = contexts[row] - 1  # of the newest sampled token
             if not s.drafting or not sampled[row] or position < s.prompt_tokens:
                 continue
@@ -276,7 +277,7 @@ class KapProposer:
             )
             if budget >= 1 and s.check_blocks(blocks):
                 rows.append(Candidate(row, s, position, budget, blocks))
-        return rows
+        return rows, firsts
 
     def _draft_rows(self, rows: list[Candidate], token_ids_cpu):
         """Draft `rows`; a failure costs them their plans (the engine step goes on)."""
