@@ -175,7 +175,7 @@ class StepPlanner:
         many requests it has received since (asked again as the rows draft:
         `stops_for_arrival`), `first_tokens` the rows whose first token this step emits. Before a
         step that prefills no row drafts, nor in a step that emits a first token, forced or not
-        (kapc.policy). Rows held back count a held step."""
+        (kapc.policy). Rows held back, but for a first token, count a held step."""
         self._load, self._arrivals = load, arrivals
         if prefills_next(load):
             self.timings.held_by_prefill += 1
@@ -184,9 +184,8 @@ class StepPlanner:
             return []
         if self.stops_for_arrival(rows):
             return []
-        if first_tokens:
+        if first_tokens:  # not held against the rows: every request has its first token
             self.timings.held_for_first_token += 1
-            self._hold(rows)
             return []
         if self.profile is None:
             return rows

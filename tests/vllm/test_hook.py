@@ -573,28 +573,29 @@ def test_drafts_read_bfloat16_copies_of_the_weights(engine, cases, baseline):
 
 
 def test_no_drafts_past_the_last_token_a_request_may_emit(engine, cases, baseline):
-    """A cycle of d drafts emits at most d + 1 tokens: with max_tokens 3, the prefill emits one,
-    and the one cycle left needs one draft, not the plan's k = 4."""
+    """A cycle of d drafts emits at most d + 1 tokens: with max_tokens 4, the prefill emits one
+    and the plain step after it another (no row drafts in a step that emits a first token), and
+    the one cycle left needs one draft, not the plan's k = 4."""
     from kapc.runtime.vllm import generate
 
     res = generate(
-        engine, [cases[0].ids], [cases[0].plan], max_tokens=3, honor_predicted_loss=False
+        engine, [cases[0].ids], [cases[0].plan], max_tokens=4, honor_predicted_loss=False
     )
-    assert res[0]["tokens"] == baseline[0][:3]
+    assert res[0]["tokens"] == baseline[0][:4]
     assert res[0]["status"] == "plan" and res[0]["k"] == 4
     assert res[0]["timing"]["draft_forwards"] == 1
 
 
 def test_no_row_drafts_in_the_step_that_emits_a_first_token(engine, cases, baseline):
     """The engine sends a step's tokens once its drafts are made: a first token must not wait for
-    a draft cycle. With max_tokens 2 the prefill emits one token and the plain step after it the
-    last, so nothing is ever drafted."""
+    a draft cycle. With max_tokens 3 the prefill's step would draft one token for the last; it
+    holds, and the two plain steps after it emit the rest."""
     from kapc.runtime.vllm import generate
 
     res = generate(
-        engine, [cases[0].ids], [cases[0].plan], max_tokens=2, honor_predicted_loss=False
+        engine, [cases[0].ids], [cases[0].plan], max_tokens=3, honor_predicted_loss=False
     )
-    assert res[0]["tokens"] == baseline[0][:2] and res[0]["status"] == "plan"
+    assert res[0]["tokens"] == baseline[0][:3] and res[0]["status"] == "plan"
     assert res[0]["timing"]["held_for_first_token"] >= 1
     assert res[0]["timing"]["draft_forwards"] == 0
 

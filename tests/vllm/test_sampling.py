@@ -85,11 +85,12 @@ def _accept_every_draft(worker, on: bool) -> None:
 
 def test_the_distribution_test_catches_a_biased_acceptance(engine, cases, plain_samples):
     """SIMULATED: a rejection sampler that accepts every draft (each draft token's target logit
-    raised before it runs) cannot be caused for real; with half the samples the comparison above
-    already refuses it."""
+    raised before it runs) cannot be caused for real; with as many samples, the comparison above
+    refuses it (each request's first token, sampled at its prefill, and its second, sampled in
+    the plain step after it, are never drafted)."""
     engine.llm.collective_rpc(_accept_every_draft, args=(True,))
     try:
-        res = _sampled(engine, cases[1], n=SAMPLES // 2)
+        res = _sampled(engine, cases[1], n=SAMPLES)
     finally:
         engine.llm.collective_rpc(_accept_every_draft, args=(False,))
     assert sum(r["accepted"] for r in res) == sum(r["proposed"] for r in res) > 0
