@@ -225,7 +225,7 @@ class StepPlanner:
         requests came in since the step `plan` planned was scheduled, and the next step will
         prefill one (kapc.policy.prefills_next)."""
         arrived = self._arrivals() if self._arrivals is not None else 0
-        if not arrived or prefills_next(self._load) or not prefills_next(self._load, arrived):
+        if not arrived or not prefills_next(self._load, arrived):
             return False
         self.timings.held_by_arrival += 1
         self.prefill_holds += 1

@@ -228,8 +228,11 @@ def test_requests_arriving_during_a_step_are_counted_for_the_worker():
     stale = Path(tempfile.gettempdir() if not os.access("/dev/shm", os.W_OK) else "/dev/shm")
     stale = stale / f"kapc-arrivals-{gone.pid}-x"
     stale.write_bytes(bytes(8))
+    foreign = stale.with_name("kapc-arrivals-not-a-pid")  # not one of kapc's: left alone
+    foreign.write_bytes(bytes(8))
     count = ArrivalCount.create()
-    assert not stale.exists() and Path(count.path).exists()
+    assert not stale.exists() and Path(count.path).exists() and foreign.exists()
+    foreign.unlink()
     inbox: queue.Queue = queue.Queue()  # an engine core's input queue
     count_arrivals(inbox, count)
     inbox.put_nowait((EngineCoreRequestType.ADD, "a"))

@@ -20,6 +20,7 @@ a newcomer the step's EngineLoad could not know of.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import tempfile
@@ -35,6 +36,8 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from kapc.policy import EngineLoad
 from kapc.runtime.vllm.admission import start_compiling
 from kapc.runtime.vllm.compat import on_stack
+
+log = logging.getLogger("vllm.kapc")
 
 
 class KapScheduler(Scheduler):
@@ -54,8 +57,12 @@ class KapScheduler(Scheduler):
         self._kapc_core = on_stack("self", lambda obj: hasattr(obj, "input_queue"))
         self._kapc_arrivals = None
         if self._kapc_core is not None:
-            self._kapc_arrivals = ArrivalCount.create()
-            count_arrivals(self._kapc_core.input_queue, self._kapc_arrivals)
+            try:
+                self._kapc_arrivals = ArrivalCount.create()
+            except OSError as exc:  # no shared memory: newcomers wait for the cycle, as before
+                log.warning("kapc: arrivals during a step are not counted: %s", exc)
+            else:
+                count_arrivals(self._kapc_core.input_queue, self._kapc_arrivals)
 
     def add_request(self, request) -> None:
         # a prior's plan compiles while the request waits and prefills, where the worker shares
@@ -138,7 +145,8 @@ class ArrivalCount:
         engine core runs no exit handlers) by the next engine core that starts."""
         folder = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
         for old in Path(folder).glob("kapc-arrivals-*-*"):
-            if not _alive(int(old.name.split("-")[2])):
+            pid = old.name.split("-")[2]
+            if pid.isdigit() and not _alive(int(pid)):
                 _remove(str(old))
         fd, path = tempfile.mkstemp(prefix=f"kapc-arrivals-{os.getpid()}-", dir=folder)
         try:
