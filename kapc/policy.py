@@ -535,7 +535,7 @@ class StepClock:
     weight of `prior` observations, so one slow step moves little. Resting steps are rare where
     rows always draft, so until they are seen (and when they have not been for a while) they,
     and plain steps, follow verification's factor: both are full-context forwards of one engine.
-    It also keeps what whole steps delivered, with drafts and without (`drafting_pays`), and
+    It also keeps the pace of whole steps with drafts against resting ones (`drafting_pays`), and
     asks for a resting step when it has not timed one for a while (`wants_sample`).
     """
 
@@ -547,8 +547,11 @@ class StepClock:
         self._scaled = profile
         self._steps = 0
         self._sampled_at: dict[str, int] = {}  # kind: the step it was last asked for
-        # what whole steps delivered, with and without drafts: (tokens, seconds, n), decayed
-        self._rates: dict[bool, tuple[float, float, float]] = {}
+        # what whole steps with drafts delivered: (tokens per row x the profile's resting step,
+        # seconds, n), decayed
+        self._cycles: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        self._rest_until = 0  # drafting rests until this step (`drafting_rests`)
+        self._rest_steps = self.sample_every
         # kind: [observed, predicted seconds, steps] since `totals(reset=True)`, undecayed and
         # unclipped: which term of the cycle a run's forecast got wrong, and by how much
         self._totals: dict[str, list[float]] = {}
@@ -557,29 +560,52 @@ class StepClock:
         """One engine step has passed: older observations weigh less."""
         d = self.decay
         self._sums = {k: (o * d, p * d, n * d) for k, (o, p, n) in self._sums.items()}
-        self._rates = {k: (t * d, s * d, n * d) for k, (t, s, n) in self._rates.items()}
+        t, sec, n = self._cycles
+        self._cycles = (t * d, sec * d, n * d)
         self._scaled = None
         self._steps += 1
 
-    def record_step(self, drafted: bool, tokens: int, seconds: float) -> None:
-        """A whole step (the proposer's call and the engine step after it) emitted `tokens`
-        for the batch in `seconds`, with drafts verified (`drafted`) or none."""
-        if seconds <= 0:
+    def record_cycle(self, tokens: int, seconds: float, rows: int, resting_s: float) -> None:
+        """A whole step with drafts (the proposer's call and the verification after it) emitted
+        `tokens` for its `rows` in `seconds`; `resting_s` is what the profile prices a resting
+        step of those rows at. Kept as tokens per row times `resting_s` over seconds: the step's
+        pace against the profile's resting step, so that steps of different batches compare (in
+        tokens a second, 8 rows at rest beat 1 row drafting whatever its drafts did)."""
+        if seconds <= 0 or rows <= 0 or resting_s <= 0:
             return
-        t, sec, n = self._rates.get(drafted, (0.0, 0.0, 0.0))
-        self._rates[drafted] = (t + tokens, sec + seconds, n + 1.0)
+        t, sec, n = self._cycles
+        self._cycles = (t + tokens / rows * resting_s, sec + seconds, n + 1.0)
 
     def drafting_pays(self, min_weight: float = 1.0) -> bool | None:
-        """Whether steps with drafts have delivered more tokens per second than steps without,
-        lately (None: too few of either by decayed count; a batch that always drafts sees a
-        resting step once in `sample_every`, which weighs 1 to 1.8 at 0.95 a step). The step
-        policy's forecast rests on fitted times and an acceptance estimate; this is what the
-        steps did: at 4K x 1 the forecast put drafting 3 to 10% ahead and the engine ran it 8%
-        behind."""
-        if any(self._rates.get(k, (0, 0, 0))[2] < min_weight for k in (True, False)):
+        """Whether steps with drafts have lately kept a faster pace than a resting step, whose
+        pace is one over the resting factor (a resting step of the same rows takes the profile's
+        time times it); None: too few such steps by decayed count. The step policy's forecast
+        rests on fitted times and an acceptance estimate; this is what the steps did: at 4K x 1
+        the forecast put drafting 3 to 10% ahead and the engine ran it 8% behind, and on a CPU
+        other than the profile's, 8K x 8 drafting ran at 0.7x. Resting steps are not compared
+        directly: under a stream of arrivals few of them run just the rows the step before left,
+        and the factor keeps what they said once they fade."""
+        t, sec, n = self._cycles
+        if n < min_weight:
             return None
-        (td, sd, _), (tr, sr, _) = self._rates[True], self._rates[False]
-        return td / sd > tr / sr
+        return t / sec > 1.0 / self.factor(resting_kind(self.base))
+
+    def drafting_rests(self) -> bool:
+        """Whether drafting should rest this step because it has lately lost (`drafting_pays`).
+        A loss found again as soon as drafting resumes doubles the rest (16 steps, up to 256):
+        each try costs a losing step, and once the drafting steps' weight fades the verdict
+        would otherwise be asked of a single step every few steps. A win resets it."""
+        if self._steps < self._rest_until:
+            return True
+        pays = self.drafting_pays()
+        if pays is None:
+            return False
+        if pays:
+            self._rest_steps = self.sample_every
+            return False
+        self._rest_until = self._steps + self._rest_steps
+        self._rest_steps = min(2 * self._rest_steps, 16 * self.sample_every)
+        return True
 
     def wants_sample(self, kind: str) -> bool:
         """Whether to run one step of `kind` now that the policy chose another, to time it: once

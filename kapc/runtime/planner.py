@@ -41,6 +41,7 @@ from kapc.policy import (
     resting_kind,
     step_forecast,
     step_tokens,
+    unplanned_step,
     verify_kind,
 )
 from kapc.runtime.session import PlanSession
@@ -244,9 +245,9 @@ class StepPlanner:
         if self.clock.wants_sample(resting_kind(self.profile)):
             self.timings.rest_samples += 1  # one step at rest, timed
             return [0] * len(ks)
-        if self.clock.drafting_pays() is False:
-            # the forecast favours drafting, the steps lately did not: rest until the drafting
-            # steps' weight fades (up to about 60 steps), then the forecast tries again
+        if self.clock.drafting_rests():
+            # the forecast favours drafting, the steps lately did not: rest, longer each time
+            # drafting loses again, then the forecast tries again
             self.timings.held_by_rate += 1
             return [0] * len(ks)
         return ks
@@ -292,7 +293,14 @@ class StepPlanner:
             entered - pending.left,
             engine_step(self.profile, pending.queries, pending.contexts, pending.tolerant),
         )
-        self.clock.record_step(drafted, sum(sampled_counts), entered - pending.called)
+        if drafted:
+            rows = len(pending.contexts)
+            self.clock.record_cycle(
+                sum(sampled_counts),
+                entered - pending.called,
+                rows,
+                unplanned_step(self.profile, rows, sum(pending.contexts) / max(1, rows)),
+            )
 
     def call_done(
         self,

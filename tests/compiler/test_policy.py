@@ -547,29 +547,67 @@ def test_the_clock_asks_for_a_resting_step_it_has_not_seen_for_a_while():
     assert clock.wants_sample("plain")
 
 
-def test_the_clock_compares_what_steps_with_and_without_drafts_delivered():
+def test_the_clock_compares_the_pace_of_steps_with_drafts_against_a_resting_step():
     """The forecast can favour drafting where the engine's steps say otherwise; the clock keeps
-    tokens over seconds of whole steps with drafts and without, decayed like the factors."""
+    each whole step's pace with drafts against the profile's resting step of its rows, decayed
+    like the factors, and a resting step's pace is one over the resting factor."""
     clock = StepClock(known_profile())
     assert clock.drafting_pays() is None  # nothing seen
     for _ in range(10):
         clock.tick()
-        clock.record_step(True, 5, 0.060)  # 83 tokens/s while drafting
-    assert clock.drafting_pays() is None  # no resting step seen yet
-    clock.tick()
-    clock.record_step(False, 1, 0.010)  # 100 tokens/s at rest
+        clock.record_cycle(5, 0.060, 1, 0.010)  # 5 tokens in the time of 6 resting steps
     assert clock.drafting_pays() is False
-    # recent cycles weigh more: 5 at 133 tokens/s after the 10 at 83, each decayed by 0.95 a
-    # step, make 62.4 tokens in 0.594 s: 105 tokens/s against rest's 100
+    # recent cycles weigh more: 5 at 8 tokens a cycle after the 10 at 5, each decayed by 0.95 a
+    # step, make 0.624 resting-step-tokens in 0.594 s: a pace of 1.05 against rest's 1.0
     for _ in range(5):
         clock.tick()
-        clock.record_step(True, 8, 0.060)
-    clock.tick()
-    clock.record_step(False, 1, 0.010)
+        clock.record_cycle(8, 0.060, 1, 0.010)
     assert clock.drafting_pays() is True
-    for _ in range(20):  # the resting steps fade below one step's weight
+    # steps at rest (this profile's "plain") found 20% faster than profiled: rest's pace is
+    # 1.25, above drafting's
+    for _ in range(10):
+        clock.record("plain", 0.8, 1.0)
+    assert clock.drafting_pays() is False
+    for _ in range(60):  # the cycles fade below one step's weight
         clock.tick()
     assert clock.drafting_pays() is None
+
+
+def test_the_clock_compares_paces_not_tokens_a_second_across_batch_sizes():
+    """Eight rows at rest deliver more tokens a second than one row drafting; that says nothing
+    about drafting. Priced against the profile's resting step of their own rows, one row's cycle
+    of 4 tokens in 2.5 resting steps keeps the faster pace, 8 rows' of 2 tokens each in 3.3
+    resting steps the slower."""
+    clock = StepClock(known_profile())
+    clock.record_cycle(4, 0.025, 1, 0.010)  # 160 tokens/s, where 8 rows at rest make 267
+    assert clock.drafting_pays() is True
+    clock = StepClock(known_profile())
+    clock.record_cycle(16, 0.100, 8, 0.030)  # 160 tokens/s at 8 rows
+    assert clock.drafting_pays() is False
+
+
+def test_drafting_rests_longer_each_time_it_loses_again():
+    clock = StepClock(known_profile())
+    assert not clock.drafting_rests()  # nothing seen: the forecast decides
+    rests = []
+    for _ in range(3):
+        clock.record_cycle(2, 0.100, 1, 0.010)  # drafting at a fifth of rest's pace
+        steps = 0
+        while clock.drafting_rests():
+            clock.tick()
+            steps += 1
+        rests.append(steps)
+    assert rests[0] >= 16 and rests[1] >= 2 * 16 and rests[2] >= 4 * 16
+    clock.record_cycle(40, 0.100, 1, 0.010)  # a win: the next loss rests 16 steps again
+    assert clock.drafting_pays() is True and not clock.drafting_rests()
+    for _ in range(100):
+        clock.tick()
+    clock.record_cycle(1, 0.100, 1, 0.010)
+    steps = 0
+    while clock.drafting_rests():
+        clock.tick()
+        steps += 1
+    assert 16 <= steps < 32
 
 
 def test_acceptance_fit_has_a_context_term_only_across_context_lengths():

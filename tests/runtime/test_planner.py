@@ -146,10 +146,9 @@ def test_the_clock_rests_one_step_in_sixteen_and_holds_while_drafting_loses():
         planner.clock.tick()
     # a step at rest, timed, once the clock has waited sample_every steps
     assert planner.timings.rest_samples == 2 and drafted.count(0) == 2 and drafted[0] == 1
-    for _ in range(30):  # whole steps: drafting delivered 2 tokens a second, resting 10
+    for _ in range(30):  # whole steps with drafts: 2 tokens in the time of 10 resting steps
         planner.clock.tick()
-        planner.clock.record_step(True, 2, 1.0)
-        planner.clock.record_step(False, 10, 1.0)
+        planner.clock.record_cycle(2, 1.0, 1, 0.1)
     # (the first may be the step at rest the clock is due; the next is held by the rates)
     assert planner.plan(rows(1), []) == [] and planner.plan(rows(1), []) == []
     assert planner.timings.held_by_rate >= 1
