@@ -10,9 +10,11 @@ second; the same seeded arrival times for both servers). For each server and eac
 reports output throughput, time to first token (TTFT), time per output token after the first
 (TPOT) and end-to-end latency percentiles, goodput (requests a second that met the SLO:
 `--slo-ttft`, `--slo-tpot`), the share of requests that ran a plan, and whether every output
-equals plain vLLM's. Without `--warm` the first load also pays each prompt's first prefill (the
-prefix cache starts cold on both servers). Run it on a quiet machine: the two servers are timed
-one after the other.
+equals plain vLLM's; kapc's rows also keep `hook`, what its hook counted during the load (the
+`timing` counters and, per kind of step, the seconds observed and predicted, from `/kapc/stats`).
+`--servers kapc` runs kapc alone (no ratios, no comparison). Without `--warm` the first load
+also pays each prompt's first prefill (the prefix cache starts cold on both servers). Run it on a
+quiet machine: the two servers are timed one after the other.
 
     python -m benchmarks.serve_load --requests 200 --concurrency 8,32 --rates 0.5,1
 """
@@ -264,6 +266,29 @@ def _one(i: int, r: dict, stats: dict | None) -> dict:
     return one
 
 
+def _hook_totals(url: str) -> dict:
+    from kapc.client import server_stats
+
+    stats = server_stats(url)
+    return {"timing": stats.get("timing") or {}, "steps": stats.get("step_totals") or {}}
+
+
+def hook_delta(before: dict, after: dict) -> dict:
+    """What kapc's hook counted during one load: its timing counters (`/kapc/stats` `timing`)
+    and, per kind of step, the seconds observed and predicted (`step_totals`), as the difference
+    of the server's running totals after and before the load."""
+    timing = {
+        k: round(v - before["timing"].get(k, 0), 4)
+        for k, v in after["timing"].items()
+        if isinstance(v, (int, float)) and k != "forecast_from"
+    }
+    steps = {}
+    for kind, t in after["steps"].items():
+        b = before["steps"].get(kind, {})
+        steps[kind] = {k: round(v - b.get(k, 0), 4) for k, v in t.items()}
+    return {"timing": timing, "steps": {k: v for k, v in steps.items() if v.get("steps")}}
+
+
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
@@ -316,6 +341,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "so the loads measure decoding under load rather than first prefills",
     )
     ap.add_argument("--json", type=Path, help="write the summary rows here")
+    ap.add_argument(
+        "--servers",
+        default="vllm,kapc",
+        help="which servers to run, in order (kapc alone: no ratios, no output comparison)",
+    )
     args = ap.parse_args(argv)
     if not 0.0 <= args.short_share <= 1.0:
         ap.error("--short-share is a share, between 0 and 1")
@@ -341,7 +371,8 @@ def main(argv=None) -> int:
     max_len = max(args.contexts) + 64
     rows, reference = [], {}
     logs = Path(tempfile.mkdtemp(prefix="kapc-serve-load-"))
-    for name, hook in (("vllm", False), ("kapc", True)):
+    chosen = [x for x in args.servers.split(",") if x]
+    for name, hook in [(n, h) for n, h in (("vllm", False), ("kapc", True)) if n in chosen]:
         port = free_port()
         cmd = server_command(
             args.model,
@@ -363,6 +394,7 @@ def main(argv=None) -> int:
                 _log(f"[{name}] {len(warm)} prompts prefilled in {time.perf_counter() - t0:.0f}s")
             for n, load in enumerate(loads):
                 label = f"{name}-l{n}"
+                before = _hook_totals(cmd.url) if hook else None
                 results, wall = run_phase(
                     cmd.url, jobs, load, args.max_tokens, hook, label, seed=args.seed
                 )
@@ -373,6 +405,8 @@ def main(argv=None) -> int:
                     everything = server_stats(cmd.url)["requests"]
                     stats = {t: s for t, s in everything.items() if t.startswith(label + "-")}
                 row = summarize(name, load, results, wall, stats, reference.get(load), slo)
+                if hook:
+                    row["hook"] = hook_delta(before, _hook_totals(cmd.url))
                 if not hook:
                     reference[load] = results
                 rows.append(row)
