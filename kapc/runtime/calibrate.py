@@ -40,6 +40,7 @@ from kapc.profile import (
     acceptance_key,
     fit_acceptance,
     fit_steps,
+    machine_cpu,
     now,
     profile_key,
     profiles_dir,
@@ -279,7 +280,10 @@ def calibrate(
     base's samples and acceptance models of the other kinds are kept."""
     from rich.console import Console
 
-    key = profile_key(bench.engine, bench.fingerprint, bench.dtype, bench.device, bench.threads)
+    cpu = machine_cpu()
+    key = profile_key(
+        bench.engine, bench.fingerprint, bench.dtype, bench.device, bench.threads, cpu
+    )
     # beside the profile it will become, so that measurements written elsewhere never share one
     partial = Path(out).with_suffix("") if out else profiles_dir() / key
     part = Partial.open(partial.parent / f"{partial.name}.partial.jsonl", resume)
@@ -359,6 +363,7 @@ def _profile_of(bench, part: Partial, base: Profile | None, only: tuple[str, ...
             created=now(),
             fits=fit_steps(samples) if again else base.fits,
             acceptance=acceptance if "acceptance" in only else dict(base.acceptance),
+            cpu=machine_cpu(),
             **{name: v or getattr(base, name) for name, v in setup.items()},
         )
     return Profile(
@@ -375,6 +380,7 @@ def _profile_of(bench, part: Partial, base: Profile | None, only: tuple[str, ...
         fits=fit_steps(samples),
         acceptance=acceptance,
         note=bench.note,
+        cpu=machine_cpu(),
         **setup,
     )
 
@@ -659,6 +665,13 @@ def show(profile: Profile) -> str:
     ]
     if profile.note:
         lines.append(f"  note: {profile.note}")
+    here = machine_cpu()
+    if not profile.cpu:
+        lines.append("  CPU: not recorded (measured before profiles named it)")
+    elif profile.cpu != here:
+        lines.append(f"  CPU: {profile.cpu}; this machine's is {here}: not used here")
+    else:
+        lines.append(f"  CPU: {profile.cpu}")
     if profile.attention_kernel:
         lines.append(f"  attention kernel of kapc's engine: {profile.attention_kernel}")
     if profile.draft_weights:

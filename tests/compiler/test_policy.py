@@ -42,9 +42,11 @@ from kapc.profile import (
     Profile,
     StepFit,
     StepSample,
+    find_profile,
     fit_acceptance,
     fit_steps,
     load_profile,
+    machine_cpu,
     save_profile,
 )
 
@@ -942,3 +944,32 @@ def test_calibrate_refit_fits_a_profiles_own_samples_again(tmp_path):
     )
     # kinds without samples keep their fits (the known profile's, written by hand)
     assert new.fits["draft"] == old.fits["draft"]
+
+
+AVX2 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx fma avx2\n"
+AVX512_BF16 = (
+    "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512bw avx512_bf16\n"
+)
+
+
+def test_a_profile_names_the_cpu_by_model_and_the_instructions_that_price_its_steps():
+    # cloud machines share a model name across CPUs with and without AVX-512
+    assert machine_cpu(AVX2) == "AMD EPYC (avx2)"
+    assert machine_cpu(AVX512_BF16) == "AMD EPYC (avx512_bf16)"
+    assert machine_cpu(AVX2) != machine_cpu(AVX512_BF16)
+    assert machine_cpu("") != ""  # elsewhere: the platform's names
+    base = known_profile()
+    keys = {msgspec.structs.replace(base, cpu=machine_cpu(t)).key for t in (AVX2, AVX512_BF16)}
+    assert len(keys | {base.key}) == 3  # two CPUs' profiles never overwrite each other
+
+
+def test_only_a_profile_of_this_cpu_or_of_none_named_is_found(tmp_path, monkeypatch):
+    monkeypatch.setenv("KAPC_CACHE_DIR", str(tmp_path))
+    fp = known_profile().model_fingerprint
+    avx2, avx512 = machine_cpu(AVX2), machine_cpu(AVX512_BF16)
+    save_profile(msgspec.structs.replace(known_profile(), cpu=avx2, created="avx2"))
+    assert find_profile("vllm-cpu", fp, cpu=avx512) is None
+    assert find_profile("vllm-cpu", fp, cpu=avx2).created == "avx2"
+    # a profile from before profiles named their CPU is taken as this machine's
+    save_profile(msgspec.structs.replace(known_profile(), created="unnamed"))
+    assert find_profile("vllm-cpu", fp, cpu=avx512).created == "unnamed"
