@@ -875,7 +875,7 @@ def test_a_cache_no_reader_knows_decodes_on_static_pages(engine, cases, baseline
 # where a failure is injected: the module and the attribute replaced by one that raises
 FAULTS = {
     "admission": ("kapc.runtime.vllm.proposer", "KapProposer._admit_request"),
-    "key bounds": ("kapc.runtime.vllm.compat", "key_bounds"),
+    "key bounds": ("kapc.runtime.vllm.keys", "SharedBounds.of"),
     "page choice": ("kapc.runtime.selection", "TableRouter.apply"),
     "draft forward": ("kapc.runtime.vllm.compat", "draft_logits"),
 }

@@ -88,3 +88,41 @@ def test_a_cache_of_another_shape_is_refused_with_the_reason():
 
     with pytest.raises(compat.UnsupportedAttention, match="4-D KV cache"):
         compat._layer_cache(Layer())
+
+
+@pytest.mark.parametrize("name,reader,kv", layouts(), ids=[x[0] for x in layouts()])
+def test_a_block_stamp_is_its_first_and_last_key(name, reader, kv):
+    keys, _ = known_kv()
+    got = compat.layer_block_stamps(kv, reader, [4, 1])
+    assert torch.equal(got, keys[[4, 1]][:, :, [0, BS - 1]].transpose(1, 2))
+
+
+def test_shared_key_bounds_are_read_once_and_again_when_a_block_holds_other_keys():
+    """Requests on one prefix hold the same blocks: their bounds are read once. A block the
+    engine has filled with other tokens since (freed and reused) is read again."""
+    from kapc.runtime.vllm.keys import SharedBounds
+
+    keys, values = known_kv()
+    layers = [cpu_packed(keys, values), cpu_packed(keys * 2, values)]
+    reader = "vllm-cpu packed"
+    shared = SharedBounds(
+        lambda blocks: compat.layer_key_bounds(layers, reader, blocks),
+        lambda blocks: compat.layer_block_stamps(layers[-1], reader, blocks),
+    )
+    for pool in ([0, 2, 3], [0, 2, 5], [0, 2, 3]):
+        lo, hi = shared.of(pool)
+        want = compat.layer_key_bounds(layers, reader, pool)
+        assert torch.equal(lo, want[0]) and torch.equal(hi, want[1])
+    assert shared.blocks_read == 4 and shared.blocks_reused == 5
+    # block 2 now holds other tokens in every layer, as a reused block would
+    new = keys.clone()
+    new[2] = torch.randn(KVH, BS, HD, generator=torch.Generator().manual_seed(7))
+    layers[0].copy_(cpu_packed(new, values))
+    layers[1].copy_(cpu_packed(new * 2, values))
+    lo, hi = shared.of([0, 2])
+    want = compat.layer_key_bounds(layers, reader, [0, 2])
+    assert torch.equal(lo, want[0]) and torch.equal(hi, want[1])
+    assert shared.blocks_read == 5  # block 2 alone read again
+    shared.capacity = 2
+    shared.of([5, 3, 1])
+    assert len(shared._blocks) == 2

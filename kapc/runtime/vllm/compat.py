@@ -494,6 +494,22 @@ def key_bounds(vllm_config, layout: AttentionLayout, reader: str, blocks: list[i
     return layer_key_bounds(caches, reader, blocks)
 
 
+def layer_block_stamps(kv: torch.Tensor, reader: str, blocks: list[int]) -> torch.Tensor:
+    """The keys of each of `blocks`' first and last token in cache `kv`: [len(blocks), 2,
+    kv_heads, head_dim]. Read from the last layer, whose keys depend on every token before, two
+    vectors a block say whether a block still holds what it held when its bounds were read."""
+    k = KEY_READERS[reader](kv)
+    index = torch.tensor(blocks, dtype=torch.long, device=kv.device)
+    ends = k[:, :, [0, k.shape[2] - 1]]  # [n, kvh, 2, hd]: two tokens of every block
+    return ends.index_select(0, index).transpose(1, 2)
+
+
+def block_stamps(vllm_config, layout: AttentionLayout, reader: str, blocks: list[int]):
+    """`layer_block_stamps` of this engine's last attention layer."""
+    last = attention_modules(vllm_config, layout)[-1]
+    return layer_block_stamps(_layer_cache(last), reader, blocks)
+
+
 def reader_of(kv: torch.Tensor, slot: int, key: torch.Tensor) -> str:
     """The name of the `KEY_READERS` entry through which `key` [kv_heads, head_dim], known to
     be written at `slot` of cache `kv`, reads back; UnsupportedAttention if none does (another

@@ -9,6 +9,9 @@ off for every request, with the reason."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable
+
 import torch
 
 from kapc.runtime.vllm import compat
@@ -23,6 +26,7 @@ class KeyPages:
         self.probing = False  # the next forward's layer-0 key is kept, to find the reader
         self._probe: torch.Tensor | None = None
         self._stacked = None  # (rows' serials, KeySummaries) while the same rows draft together
+        self._shared: SharedBounds | None = None
         self.router = None  # the page choice of the draft forward running now, if any
 
     @property
@@ -53,6 +57,17 @@ class KeyPages:
             self.unreadable = str(exc)
         return self.unreadable
 
+    @property
+    def shared(self) -> SharedBounds:
+        """Key bounds by KV block, for every request that reads a block another has read."""
+        if self._shared is None:
+            cfg, layout, reader = self.vllm_config, self.layout, self.reader
+            self._shared = SharedBounds(
+                lambda blocks: compat.key_bounds(cfg, layout, reader, blocks),
+                lambda blocks: compat.block_stamps(cfg, layout, reader, blocks),
+            )
+        return self._shared
+
     def table_router(self, rows):
         """The page choice of a cycle's query-aware rows (kapc.runtime.planner.Candidate): their
         key bounds (read from the cache once per request, the first time it drafts, and again
@@ -64,7 +79,7 @@ class KeyPages:
             s = r.session
             if s.bounds is None:
                 pool = [int(b) for b in r.blocks[: s.tail_block]]
-                lo, hi = compat.key_bounds(self.vllm_config, self.layout, self.reader, pool)
+                lo, hi = self.shared.of(pool)
                 s.bounds = (lo, hi, torch.tensor(pool, dtype=torch.long))
         key = tuple((r.session.serial, r.session.block_moves) for r in rows)
         if self._stacked is None or self._stacked[0] != key:
@@ -85,3 +100,57 @@ class KeyPages:
             preferred=preferred,
             quota=quota,
         )
+
+
+class SharedBounds:
+    """Key bounds of KV blocks by block id, read once for every request that holds the block.
+
+    Requests that share a prefix (a system prompt, a document several questions read) hold the
+    same blocks in vLLM's prefix cache, and each read the whole prompt's bounds the first time it
+    drafted: eight questions over one 8K document read the same 254 blocks eight times, at 40-130
+    ms each inside an engine step. A block's bounds are kept with its stamp, the last layer's keys
+    of its first and last token (`compat.layer_block_stamps`), and used again only while the
+    block's stamp is unchanged: a freed block the engine fills with other tokens reads anew.
+    `read_bounds(blocks)` gives [layers, kv_heads, len(blocks), head_dim] minima and maxima,
+    `read_stamps(blocks)` one stamp per block; the newest `capacity` blocks are kept."""
+
+    def __init__(
+        self,
+        read_bounds: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]],
+        read_stamps: Callable[[list[int]], torch.Tensor],
+        capacity: int = 2048,
+    ):
+        self._read_bounds, self._read_stamps = read_bounds, read_stamps
+        self.capacity = int(capacity)
+        self._blocks: OrderedDict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (
+            OrderedDict()
+        )
+        self.blocks_read = 0  # blocks whose bounds were read from the cache
+        self.blocks_reused = 0
+
+    def of(self, pool: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bounds of `pool`'s blocks, in order: [layers, kv_heads, len(pool), head_dim] each."""
+        stamps = self._read_stamps(pool)
+        missing = []
+        for i, b in enumerate(pool):
+            kept = self._blocks.get(b)
+            if kept is None or not torch.equal(kept[0], stamps[i]):
+                missing.append(i)
+            else:
+                self._blocks.move_to_end(b)
+        if missing:
+            lo, hi = self._read_bounds([pool[i] for i in missing])
+            for j, i in enumerate(missing):
+                self._blocks[pool[i]] = (
+                    stamps[i].clone(),
+                    lo[:, :, j].clone(),
+                    hi[:, :, j].clone(),
+                )
+                self._blocks.move_to_end(pool[i])
+        self.blocks_read += len(missing)
+        self.blocks_reused += len(pool) - len(missing)
+        lo = torch.stack([self._blocks[b][1] for b in pool], dim=2)
+        hi = torch.stack([self._blocks[b][2] for b in pool], dim=2)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+        return lo, hi
