@@ -67,7 +67,8 @@ def measure(
         str | None,
         typer.Option(
             help="Measure only these kinds of point again (comma-separated: plain, resting, cycle, "
-            "select, tolerant, acceptance), keeping the rest of this engine's profile."
+            "select, tolerant, acceptance), keeping the rest of this engine's profile; with "
+            "--contexts/--batches, those cells are added to it."
         ),
     ] = None,
     model: ModelOpt = None,

@@ -355,8 +355,12 @@ def _profile_of(bench, part: Partial, base: Profile | None, only: tuple[str, ...
         if (fit := fit_acceptance(pts)) is not None
     }
     if base is not None:
-        again = {x.kind for x in samples}  # the step kinds measured anew replace the base's
-        samples = [x for x in base.samples if x.kind not in again] + samples
+        again = {x.kind for x in samples}  # the step kinds measured anew are fitted again
+        # new samples replace the base's at the same point; the base's other points stay, so
+        # `--only resting,cycle --contexts 7936 --batches 8` adds that cell to a profile (it
+        # once dropped every other point of those kinds, and their fits with them)
+        at = {_point(x) for x in samples}
+        samples = [x for x in base.samples if _point(x) not in at] + samples
         return msgspec.structs.replace(
             base,
             samples=tuple(samples),
@@ -383,6 +387,10 @@ def _profile_of(bench, part: Partial, base: Profile | None, only: tuple[str, ...
         cpu=machine_cpu(),
         **setup,
     )
+
+
+def _point(x: StepSample) -> tuple:
+    return (x.kind, x.batch, x.query, x.visible)
 
 
 def median_step(deltas: list[float]) -> float:

@@ -4,11 +4,12 @@ that measures only what is missing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from kapc.profile import load_profile, profile_key
+from kapc.profile import load_profile, machine_cpu, profile_key
 from kapc.runtime.calibrate import (
     GRIDS,
     Grid,
@@ -94,8 +95,14 @@ def test_tiny_calibration_gives_a_well_formed_profile(tmp_path, capsys):
     assert dyn is profile.acceptance["greedy+dynamic"] and 0.0 < dyn.p(0.3) < 1.0
     assert [pt[1] for pt in dyn.points] == [pt[1] for pt in fit.points]
     assert [pt[0] for pt in dyn.points] == pytest.approx([pt[0] for pt in fit.points], abs=0.02)
+    assert profile.cpu == machine_cpu()  # the CPU it holds for
     assert profile.key == profile_key(
-        "reference", profile.model_fingerprint, profile.dtype, profile.device, profile.threads
+        "reference",
+        profile.model_fingerprint,
+        profile.dtype,
+        profile.device,
+        profile.threads,
+        machine_cpu(),
     )
     assert not (tmp_path / "p.partial.jsonl").exists()  # done: no partial beside the profile
     text = show(profile)
@@ -154,9 +161,31 @@ def test_tiny_calibration_gives_a_well_formed_profile(tmp_path, capsys):
     assert [x for x in redone.samples if x.kind != "select"] == [
         x for x in profile.samples if x.kind != "select"
     ]
-    assert [x.kind for x in redone.samples].count("select") == 4
+    # the 4 select points' samples replace the base's at the same points; the base's samples
+    # at other points (cycles time page choice too, at their own q) stay
+    base_selects = [x for x in profile.samples if x.kind == "select"]
+    at = lambda x: (x.batch, x.query, x.visible)  # noqa: E731
+    redone_selects = [x for x in redone.samples if x.kind == "select"]
+    new = {at(x) for x in redone_selects if x not in base_selects}
+    assert len(new) == 4
+    assert [x for x in redone_selects if at(x) not in new] == [
+        x for x in base_selects if at(x) not in new
+    ]
     assert redone.fits["verify"] == profile.fits["verify"]
     assert redone.acceptance == profile.acceptance
+
+    # --only with a cell the profile lacks: the cell's points are added, the others kept
+    wider = calibrate(
+        Counting(bench.bench),
+        dataclasses.replace(TINY, contexts=(384,), batches=(2,)),
+        progress=False,
+        out=tmp_path / "wider.json",
+        base=profile,
+        only=("select",),
+    )[0]
+    selects = [x for x in wider.samples if x.kind == "select"]
+    assert len(selects) == len(base_selects) + 1 and "select" in wider.fits
+    assert selects[:-1] == base_selects and selects[-1].visible == 384
 
 
 def test_cycle_times_read_the_proposer_step_log():
