@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -423,9 +423,9 @@ def accepted_of(drafted: int, sampled: int) -> int:
     return max(0, min(drafted, sampled - 1))
 
 
-def remember(finished: OrderedDict, tag: str, report, keep: int = KEPT_FINISHED) -> None:
-    """File a finished request's report under its tag, newest last, keeping the newest `keep`:
-    a server runs for weeks."""
+def remember(finished: OrderedDict, tag: Hashable, report, keep: int = KEPT_FINISHED) -> None:
+    """File a finished request's report under its tag (or any value under its key), newest last,
+    keeping the newest `keep`: a server runs for weeks."""
     finished[tag] = report
     finished.move_to_end(tag)
     while len(finished) > keep:

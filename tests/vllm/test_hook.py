@@ -950,3 +950,27 @@ def test_a_failure_inside_the_hook_costs_the_plan_never_the_request(
     )
     assert again["status"] == "plan" and again["proposed"] > 0
     assert again["tokens"] == baseline[0][:16]
+
+
+def _shared_bounds(worker) -> tuple[int, int]:
+    shared = worker.model_runner.drafter.keys._shared
+    return (0, 0) if shared is None else (shared.blocks_read, shared.blocks_reused)
+
+
+def test_requests_on_one_prompt_read_its_key_bounds_once(engine, cases, baseline):
+    """Two requests on one prompt hold the same blocks in vLLM's prefix cache: the second takes
+    the first's key bounds, each block's stamp unchanged; both decode plain vLLM's tokens."""
+    from kapc.runtime.vllm import generate
+
+    c = cases[0]
+    # where keys live is found by an engine's first query-aware cycle, which reads no bounds
+    generate(engine, [c.ids], [c.plan], max_tokens=8, honor_predicted_loss=False)
+    (read0, reused0) = engine.llm.collective_rpc(_shared_bounds)[0]
+    res = generate(
+        engine, [c.ids, c.ids], [c.plan, c.plan], max_tokens=16, honor_predicted_loss=False
+    )
+    (read1, reused1) = engine.llm.collective_rpc(_shared_bounds)[0]
+    assert all(r["tokens"] == baseline[0][:16] and r["access"] != "static" for r in res)
+    blocks = len(c.ids) // 32  # the prompt's full blocks, each request's pool
+    assert read1 - read0 + reused1 - reused0 == 2 * blocks
+    assert reused1 - reused0 >= blocks  # the second request read none of them

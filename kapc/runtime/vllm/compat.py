@@ -500,8 +500,8 @@ def layer_block_stamps(kv: torch.Tensor, reader: str, blocks: list[int]) -> torc
     vectors a block say whether a block still holds what it held when its bounds were read."""
     k = KEY_READERS[reader](kv)
     index = torch.tensor(blocks, dtype=torch.long, device=kv.device)
-    ends = k[:, :, [0, k.shape[2] - 1]]  # [n, kvh, 2, hd]: two tokens of every block
-    return ends.index_select(0, index).transpose(1, 2)
+    # each token is a view of every block; only `blocks`' rows of it are copied
+    return torch.stack([k[:, :, t].index_select(0, index) for t in (0, k.shape[2] - 1)], dim=1)
 
 
 def block_stamps(vllm_config, layout: AttentionLayout, reader: str, blocks: list[int]):

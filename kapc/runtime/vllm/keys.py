@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from kapc.runtime.session import remember
 from kapc.runtime.vllm import compat
 from kapc.runtime.vllm.compat import UnsupportedAttention
 
@@ -131,26 +132,14 @@ class SharedBounds:
     def of(self, pool: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Bounds of `pool`'s blocks, in order: [layers, kv_heads, len(pool), head_dim] each."""
         stamps = self._read_stamps(pool)
-        missing = []
-        for i, b in enumerate(pool):
-            kept = self._blocks.get(b)
-            if kept is None or not torch.equal(kept[0], stamps[i]):
-                missing.append(i)
-            else:
-                self._blocks.move_to_end(b)
+        kept = [self._blocks.get(b) for b in pool]
+        missing = [i for i, e in enumerate(kept) if e is None or not torch.equal(e[0], stamps[i])]
         if missing:
             lo, hi = self._read_bounds([pool[i] for i in missing])
             for j, i in enumerate(missing):
-                self._blocks[pool[i]] = (
-                    stamps[i].clone(),
-                    lo[:, :, j].clone(),
-                    hi[:, :, j].clone(),
-                )
-                self._blocks.move_to_end(pool[i])
+                kept[i] = (stamps[i].clone(), lo[:, :, j].clone(), hi[:, :, j].clone())
+        for b, e in zip(pool, kept):  # every entry filled now
+            remember(self._blocks, b, e, keep=self.capacity)
         self.blocks_read += len(missing)
         self.blocks_reused += len(pool) - len(missing)
-        lo = torch.stack([self._blocks[b][1] for b in pool], dim=2)
-        hi = torch.stack([self._blocks[b][2] for b in pool], dim=2)
-        while len(self._blocks) > self.capacity:
-            self._blocks.popitem(last=False)
-        return lo, hi
+        return torch.stack([e[1] for e in kept], dim=2), torch.stack([e[2] for e in kept], dim=2)
