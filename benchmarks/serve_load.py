@@ -347,6 +347,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="which servers to run, in order (kapc alone: no ratios, no output comparison)",
     )
     args = ap.parse_args(argv)
+    if not {x for x in args.servers.split(",") if x} <= {"vllm", "kapc"}:
+        ap.error(f"--servers takes vllm and kapc (comma-separated), not {args.servers!r}")
     if not 0.0 <= args.short_share <= 1.0:
         ap.error("--short-share is a share, between 0 and 1")
     if any(r <= 0 for r in args.rates):

@@ -301,7 +301,7 @@ def calibrate(
         bench.prepare(grid)
     _measure_points(bench, grid, todo, part, console, progress)
     bench.close()
-    profile = _profile_of(bench, part, base, only)
+    profile = _profile_of(bench, part, base, only, cpu)
     path = save_profile(profile, out)
     part.path.unlink(missing_ok=True)
     return profile, path
@@ -344,8 +344,11 @@ def _measure_points(bench, grid: Grid, todo, part: Partial, console, progress: b
             bar.advance(task)
 
 
-def _profile_of(bench, part: Partial, base: Profile | None, only: tuple[str, ...]) -> Profile:
-    """The profile of the measured points (with `base`: the base's, those kinds measured anew)."""
+def _profile_of(
+    bench, part: Partial, base: Profile | None, only: tuple[str, ...], cpu: str
+) -> Profile:
+    """The profile of the measured points (with `base`: the base's, those kinds measured anew),
+    measured on `cpu` (`machine_cpu`)."""
     setup = {name: getattr(bench, name, "") or part.engine_setup(name) for name in ENGINE_SETUP}
     # with a base, a partial file left by an interrupted full run may hold other kinds of point
     samples = part.samples(None if base is None else only)
@@ -367,7 +370,7 @@ def _profile_of(bench, part: Partial, base: Profile | None, only: tuple[str, ...
             created=now(),
             fits=fit_steps(samples) if again else base.fits,
             acceptance=acceptance if "acceptance" in only else dict(base.acceptance),
-            cpu=machine_cpu(),
+            cpu=cpu,
             **{name: v or getattr(base, name) for name, v in setup.items()},
         )
     return Profile(
@@ -384,7 +387,7 @@ def _profile_of(bench, part: Partial, base: Profile | None, only: tuple[str, ...
         fits=fit_steps(samples),
         acceptance=acceptance,
         note=bench.note,
-        cpu=machine_cpu(),
+        cpu=cpu,
         **setup,
     )
 
