@@ -40,6 +40,8 @@ def test_the_load_benchmark_compares_the_two_servers(tmp_path):
         assert kapc["changed"] == 0  # every greedy output equals plain vLLM's
         assert kapc["share_plan"] + kapc["share_fallback"] == pytest.approx(1.0)
         assert kapc["share_refused"] == 0.0
+        # what the hook counted during this load alone, beside the rows
+        assert kapc["hook"]["timing"]["calls"] > 0
         planned = [e for e in kapc["per_request"] if "status" in e]  # those that sent a prior
         assert planned and all(e["status"] in ("plan", "fallback") for e in planned)
     # seeded: the same short chats each time, some of each kind; only the long ones carry priors
@@ -69,3 +71,11 @@ def test_a_shared_document_is_one_prefix_for_every_question():
     assert len(os.path.commonprefix(shared)) > 0.8 * min(map(len, shared))
     own = contents(False)
     assert len(os.path.commonprefix(own)) < 0.5 * min(map(len, own))
+
+
+def test_the_load_benchmark_refuses_a_server_it_does_not_know():
+    from benchmarks.serve_load import parse_args
+
+    assert parse_args(["--servers", "kapc"]).servers == "kapc"
+    with pytest.raises(SystemExit):
+        parse_args(["--servers", "kapc,sglang"])
