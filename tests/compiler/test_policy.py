@@ -503,7 +503,9 @@ def test_the_step_policy_decides_on_the_step_times_it_measures():
     assert clock.factor("plain") == clock.factor("resting") == clock.factor("verify")
     for _ in range(10):
         clock.record("plain", 0.010, 0.010)
-    assert clock.factor("plain") == pytest.approx((10 + 2 * clock.factor("verify")) / 12)
+    # the baseline's observations fade by newer ones: 10 at 1x weigh (1 - 0.95^10) / 0.05
+    n = (1 - 0.95**10) / 0.05
+    assert clock.factor("plain") == pytest.approx((n + 2 * clock.factor("verify")) / (n + 2))
     # one step counts as at most 4x off the factor: a pause moves it little
     paused, slow = StepClock(prof), StepClock(prof)
     paused.record("verify", 0.017 * 100, 0.017)
@@ -514,6 +516,34 @@ def test_the_step_policy_decides_on_the_step_times_it_measures():
         clock.tick()
     assert clock.factor("verify") == pytest.approx(1.0, abs=1e-3)
     assert plan_step(clock.profile, [row], []) == [3]
+
+
+def test_resting_steps_seen_once_stay_the_baseline_while_rows_draft():
+    """Where rows draft, a resting step runs one step in `sample_every` at most; what those say
+    is the pace drafting is priced against, so it stays until newer resting steps replace it,
+    where verification's factor fades with the steps. A resting factor that faded back to
+    verification's (1.5 here, resting at 1.05) made a 15% loss a win."""
+    prof = known_profile()
+    clock = StepClock(prof, decay=0.95, prior=2.0)
+    for _ in range(4):
+        clock.record("plain", 0.0105, 0.010)
+    for _ in range(60):  # drafting steps: verification 1.5x the profile's
+        clock.tick()
+        clock.record("verify", 0.0255, 0.017)
+    n, v = (1 - 0.95**4) / 0.05, (1 - 0.95**60) / 0.05
+    assert clock.factor("verify") == pytest.approx((1.5 * v + 2) / (v + 2))
+    assert clock.factor("plain") == pytest.approx((1.05 * n + 2 * clock.factor("verify")) / (n + 2))
+    assert clock.factor("plain") < 1.25
+    # at rest's own pace (1 / 1.05 less the prior's pull), drafting at 0.8 of it loses
+    clock.record_cycle(4, 0.050, 1, 0.010)  # 4 tokens in 5 resting steps' time
+    assert clock.drafting_pays() is False
+    # verification's factor would have called it a win
+    assert 1 / clock.factor("verify") < 0.8 < 1 / clock.factor("plain")
+    # a new resting step moves it, the old ones weighing 0.95 each
+    clock.record("plain", 0.020, 0.010)
+    m = n * 0.95 + 1
+    expected = (0.0105 * n * 0.95 + 0.020 + 2 * 0.010 * clock.factor("verify")) / (0.010 * (m + 2))
+    assert clock.factor("plain") == pytest.approx(expected)
 
 
 def test_drafting_must_beat_resting_by_a_margin():
