@@ -3,6 +3,8 @@ per-request reporting, refusal of mismatched plans, and agreement with the refer
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.laws import ranks_under_full_context
@@ -53,6 +55,10 @@ def test_batch_identical_to_plain_vllm(engine, cases, baseline):
     # and every engine step after the prefill), and the output above is still plain vLLM's
     assert res[0]["attention_kernel"] == "kapc's"
     assert timing["kernel_steps"] >= timing["draft_forwards"] + max(r["cycles"] for r in res)
+    # the batch's forwards (5 rows of up to 990 tokens) were timed on both kernels, each shape
+    # then run on the faster: the output above is identical whichever ran
+    choices = res[0]["kernel_choices"]
+    assert choices and all(re.fullmatch(r"(kapc|engine) \d+\.\d\dx", c) for c in choices.values())
 
 
 def test_mismatched_plans_refused_per_request(engine, cases, baseline):

@@ -441,7 +441,13 @@ def generate(
         for o, tag, plan, prompt in zip(outs, tags, plans, prompts)
     ]
     if results:
-        for key in ("policy", "profile_factors", "step_totals", "attention_kernel"):
+        for key in (
+            "policy",
+            "profile_factors",
+            "step_totals",
+            "attention_kernel",
+            "kernel_choices",
+        ):
             results[0][key] = stats.get(key)
         results[0]["draft_weights"] = stats.get("draft_weights")
         results[0]["timing"] = timing

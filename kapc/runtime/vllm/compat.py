@@ -27,6 +27,7 @@ What the proposer needs from vLLM, and where it is in 0.32 (`vllm/v1/...`):
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -370,16 +371,25 @@ def attention_kernel_problem(vllm_config, layout: AttentionLayout) -> str | None
 
 
 def replace_decode_attention(
-    vllm_config, layout: AttentionLayout, kernel, max_query: int, on_call=None, on_refused=None
+    vllm_config,
+    layout: AttentionLayout,
+    kernel,
+    max_query: int,
+    on_call=None,
+    on_refused=None,
+    trials=None,
 ) -> None:
     """Run `kernel(query, kv_cache, output, query_start_loc, seq_lens, block_table, scale)` instead
     of vLLM-CPU's attention kernel in every forward whose rows have at most `max_query` query
     tokens: decode steps, draft forwards and verification steps. Prefill chunks keep vLLM's. The
     KV write is not touched: vLLM does it before the attention call. `on_call(layer_index,
-    max_query_len)` is told of each replaced call. A kernel that raises a `KapcError` is not
+    max_query_len)` is told of each replaced call. `trials` (kapc.runtime.kernels.choice.
+    KernelTrials) picks, per shape of forward, which kernel runs each layer, and is told how long
+    each call took while it is still trying that shape. A kernel that raises a `KapcError` is not
     called again: that call and every later one run vLLM's kernel, and `on_refused(reason)` is
     told once. Once per engine; check `attention_kernel_problem` first."""
     from kapc.errors import KapcError
+    from kapc.runtime.kernels.choice import forward_shape
 
     refused: list[str] = []
     for i, module in enumerate(attention_modules(vllm_config, layout)):
@@ -411,7 +421,19 @@ def replace_decode_attention(
                 or getattr(m, "dynamic_causal", None) is not None
             ):
                 return _original(layer, query, key, value, kv_cache, m, output, *args, **kwargs)
+            shape = timed = None
+            if trials is not None:
+                shape = forward_shape(m.max_query_len, m.query_start_loc.numel() - 1, m.max_seq_len)
+                on_kapc = trials.use_kapc(shape, _i)
+                timed = trials.trying(shape)
+                if not on_kapc:
+                    t0 = time.perf_counter()
+                    _original(layer, query, key, value, kv_cache, m, output, *args, **kwargs)
+                    if timed:
+                        trials.timed(shape, False, time.perf_counter() - t0)
+                    return output
             n = m.num_actual_tokens
+            t0 = time.perf_counter()
             try:
                 kernel(
                     query[:n],
@@ -427,6 +449,8 @@ def replace_decode_attention(
                 if on_refused is not None:
                     on_refused(str(exc))
                 return _original(layer, query, key, value, kv_cache, m, output, *args, **kwargs)
+            if timed:
+                trials.timed(shape, True, time.perf_counter() - t0)
             if on_call is not None:
                 on_call(_i, m.max_query_len)
             return output

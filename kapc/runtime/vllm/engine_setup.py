@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
+from kapc.runtime.kernels.choice import KernelTrials
 from kapc.runtime.vllm import compat, engine_kind
 from kapc.runtime.vllm.compat import UnsupportedAttention
 
@@ -72,6 +73,7 @@ class EngineSetup:
         # every attention layer calls `before_attention(layer, query, key)` first: page choice
         # and the key-layout probe (kapc.runtime.vllm.keys)
         compat.attention_pre_hooks(vllm_config, self.layout, before_attention)
+        self.kernel_trials = KernelTrials()
         self.attention_kernel = self._install_attention_kernel(on_kernel_step)
         self.draft_copies: compat.DraftWeights | None = None
         self.draft_weights = self._install_draft_weights(runner)
@@ -152,6 +154,16 @@ class EngineSetup:
                     running,
                 )
 
+    def report(self) -> dict:
+        """What the engine runs, for the hook's statistics: the attention kernel and the draft
+        forwards' weights (each with why not the faster choice), and the kernel each shape of
+        forward was timed onto."""
+        return {
+            "attention_kernel": self.attention_kernel,
+            "draft_weights": self.draft_weights,
+            "kernel_choices": self.kernel_trials.summary(),
+        }
+
     # ---- installed parts -------------------------------------------------------------------
     def _install_attention_kernel(self, on_kernel_step) -> str:
         """Decode steps, draft forwards and verification steps (up to KERNEL_MAX_QUERY query
@@ -191,6 +203,7 @@ class EngineSetup:
             max_query=KERNEL_MAX_QUERY,
             on_call=counted,
             on_refused=refused,
+            trials=self.kernel_trials,
         )
         return "kapc's"
 

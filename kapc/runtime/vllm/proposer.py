@@ -77,6 +77,7 @@ PROXY_PROBLEM = (
     "executor computes es-in, es-mid and es-mix)"
 )
 NOT_YET = "not yet known (set at the first proposal)"
+NOT_SET_UP = {"attention_kernel": NOT_YET, "draft_weights": NOT_YET, "kernel_choices": {}}
 
 
 class KapProposer:
@@ -226,8 +227,7 @@ class KapProposer:
             "requests": {t: r.as_dict() for t, r in reports.items()},
             **self.planner.stats(pop=pop),
             "live": len(self.sessions),
-            "attention_kernel": self.setup.attention_kernel if self.setup else NOT_YET,
-            "draft_weights": self.setup.draft_weights if self.setup else NOT_YET,
+            **(self.setup.report() if self.setup else NOT_SET_UP),
         }
 
     # ---- the proposal -----------------------------------------------------------------------

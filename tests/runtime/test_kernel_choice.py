@@ -1,0 +1,48 @@
+"""The kernel each shape of forward runs is the one its trials timed faster."""
+
+from kapc.runtime.kernels.choice import TRIAL_FROM_TOKENS, KernelTrials, forward_shape
+
+
+def run_step(trials: KernelTrials, shape, layers: int, kapc_s: float, engine_s: float) -> list:
+    """One step of `layers` layers, each timed as the kernel it ran takes; the kernels used."""
+    used = []
+    for layer in range(layers):
+        kapc = trials.use_kapc(shape, layer)
+        if trials.trying(shape):
+            trials.timed(shape, kapc, kapc_s if kapc else engine_s)
+        used.append(kapc)
+    return used
+
+
+def test_a_shape_is_split_between_the_kernels_then_runs_the_faster():
+    trials = KernelTrials(trials=3)
+    decode = forward_shape(1, 8, 7936)
+    verify = forward_shape(5, 8, 7936)
+    assert decode != verify and decode[1] == 65536
+    for _ in range(3):  # even layers kapc's, odd the engine's, on both shapes
+        assert run_step(trials, decode, 30, kapc_s=0.0066, engine_s=0.0063) == [
+            layer % 2 == 0 for layer in range(30)
+        ]
+        run_step(trials, verify, 30, kapc_s=0.011, engine_s=0.022)
+    # the engine's was faster at one query token, kapc's at five
+    assert run_step(trials, decode, 30, 0.0066, 0.0063) == [False] * 30
+    assert run_step(trials, verify, 30, 0.011, 0.022) == [True] * 30
+    assert not trials.trying(decode)
+    summary = trials.summary()
+    assert summary["q1 kv65536"] == "engine 0.95x"
+    assert summary["q5 kv65536"] == "kapc 2.00x"
+
+
+def test_small_forwards_are_not_tried():
+    """Below TRIAL_FROM_TOKENS either kernel takes microseconds and the timer would decide."""
+    trials = KernelTrials()
+    small = forward_shape(1, 1, TRIAL_FROM_TOKENS // 2)
+    assert all(run_step(trials, small, 30, kapc_s=1.0, engine_s=0.1))
+    assert not trials.trying(small) and trials.summary() == {}
+
+
+def test_shapes_round_up_to_a_power_of_two_of_kv_tokens():
+    assert forward_shape(1, 8, 8128) == forward_shape(1, 8, 8176) == (1, 65536)
+    assert forward_shape(1, 7, 8128) == (1, 65536)
+    assert forward_shape(1, 4, 8128) == (1, 32768)
+    assert forward_shape(2, 4, 8128) == (2, 32768)
