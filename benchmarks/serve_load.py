@@ -12,7 +12,8 @@ reports output throughput, time to first token (TTFT), time per output token aft
 `--slo-ttft`, `--slo-tpot`), the share of requests that ran a plan, and whether every output
 equals plain vLLM's; kapc's rows also keep `hook`, what its hook counted during the load (the
 `timing` counters and, per kind of step, the seconds observed and predicted, from `/kapc/stats`).
-`--servers kapc` runs kapc alone (no ratios, no comparison). Without `--warm` the first load
+`--servers kapc` runs kapc alone (no ratios, no comparison); `kapc-none` is kapc's server sent
+the same requests without their priors: what its engine costs when nothing drafts. Without `--warm` the first load
 also pays each prompt's first prefill (the prefix cache starts cold on both servers). Run it on a
 quiet machine: the two servers are timed one after the other.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import tempfile
 import time
@@ -148,7 +150,7 @@ def run_phase(
     jobs: list[dict],
     load: tuple[str, float],
     max_tokens: int,
-    hook: bool,
+    priors: bool,
     label: str,
     seed: int = 0,
 ) -> tuple[list[dict], float]:
@@ -167,7 +169,7 @@ def run_phase(
         if at is not None:
             time.sleep(max(0.0, start + at[i] - time.perf_counter()))
         xargs = None
-        if hook and job["prior"] is not None:
+        if priors and job["prior"] is not None:
             xargs = {"kapc_prior": job["prior"], "kapc_tag": f"{label}-{i}"}
         sent = time.perf_counter() - start
         return {**one_request(client, model, job, max_tokens, xargs), "sent_s": sent}
@@ -270,13 +272,18 @@ def _hook_totals(url: str) -> dict:
     from kapc.client import server_stats
 
     stats = server_stats(url)
-    return {"timing": stats.get("timing") or {}, "steps": stats.get("step_totals") or {}}
+    return {
+        "timing": stats.get("timing") or {},
+        "steps": stats.get("step_totals") or {},
+        "kernel_choices": stats.get("kernel_choices") or {},
+    }
 
 
 def hook_delta(before: dict, after: dict) -> dict:
     """What kapc's hook counted during one load: its timing counters (`/kapc/stats` `timing`)
     and, per kind of step, the seconds observed and predicted (`step_totals`), as the difference
-    of the server's running totals after and before the load."""
+    of the server's running totals after and before the load, and the attention kernel each
+    shape of forward runs on at its end (`kernel_choices`)."""
     timing = {
         k: round(v - before["timing"].get(k, 0), 4)
         for k, v in after["timing"].items()
@@ -286,7 +293,15 @@ def hook_delta(before: dict, after: dict) -> dict:
     for kind, t in after["steps"].items():
         b = before["steps"].get(kind, {})
         steps[kind] = {k: round(v - b.get(k, 0), 4) for k, v in t.items()}
-    return {"timing": timing, "steps": {k: v for k, v in steps.items() if v.get("steps")}}
+    return {
+        "timing": timing,
+        "steps": {k: v for k, v in steps.items() if v.get("steps")},
+        "kernel_choices": after.get("kernel_choices", {}),
+    }
+
+
+# --servers: each name's (whether the server runs kapc's hook, whether requests carry priors)
+SERVERS = {"vllm": (False, False), "kapc": (True, True), "kapc-none": (True, False)}
 
 
 def _floats(text: str) -> list[float]:
@@ -346,9 +361,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="vllm,kapc",
         help="which servers to run, in order (kapc alone: no ratios, no output comparison)",
     )
+    ap.add_argument(
+        "--engine-args",
+        default="",
+        help="more vLLM arguments for every server, as one string "
+        "(e.g. --engine-args=--no-async-scheduling)",
+    )
     args = ap.parse_args(argv)
-    if not {x for x in args.servers.split(",") if x} <= {"vllm", "kapc"}:
-        ap.error(f"--servers takes vllm and kapc (comma-separated), not {args.servers!r}")
+    if not {x for x in args.servers.split(",") if x} <= set(SERVERS):
+        ap.error(f"--servers takes {', '.join(SERVERS)} (comma-separated), not {args.servers!r}")
     if not 0.0 <= args.short_share <= 1.0:
         ap.error("--short-share is a share, between 0 and 1")
     if any(r <= 0 for r in args.rates):
@@ -374,14 +395,14 @@ def main(argv=None) -> int:
     rows, reference = [], {}
     logs = Path(tempfile.mkdtemp(prefix="kapc-serve-load-"))
     chosen = [x for x in args.servers.split(",") if x]
-    for name, hook in [(n, h) for n, h in (("vllm", False), ("kapc", True)) if n in chosen]:
+    for name, (hook, priors) in [(n, SERVERS[n]) for n in SERVERS if n in chosen]:
         port = free_port()
         cmd = server_command(
             args.model,
             port=port,
             hook=hook,
             max_model_len=max(max_len, 4608),
-            extra=["--max-num-seqs", str(args.max_num_seqs)],
+            extra=["--max-num-seqs", str(args.max_num_seqs), *shlex.split(args.engine_args)],
         )
         t0 = time.perf_counter()
         with running(cmd.argv, cmd.url, logs / f"{name}.log"):
@@ -398,15 +419,17 @@ def main(argv=None) -> int:
                 label = f"{name}-l{n}"
                 before = _hook_totals(cmd.url) if hook else None
                 results, wall = run_phase(
-                    cmd.url, jobs, load, args.max_tokens, hook, label, seed=args.seed
+                    cmd.url, jobs, load, args.max_tokens, priors, label, seed=args.seed
                 )
                 stats = None
-                if hook:
+                if priors:
                     from kapc.client import server_stats
 
                     everything = server_stats(cmd.url)["requests"]
                     stats = {t: s for t, s in everything.items() if t.startswith(label + "-")}
                 row = summarize(name, load, results, wall, stats, reference.get(load), slo)
+                if args.engine_args:
+                    row["engine_args"] = args.engine_args
                 if hook:
                     row["hook"] = hook_delta(before, _hook_totals(cmd.url))
                 if not hook:
