@@ -85,6 +85,7 @@ class HookTimings(msgspec.Struct):
     forecast_from: float = 0.0
     rest_samples: int = 0  # steps held at rest to time a resting step
     held_by_rate: int = 0  # steps held because drafting steps delivered less lately
+    held_to_compare: int = 0  # steps held at rest for the served steps' comparison
     held_by_prefill: int = 0  # steps held because the next step prefills (kapc.policy)
     # steps held, or draft cycles stopped and their drafts dropped, because a request arrived
     # after the step was scheduled and the next step will prefill it
@@ -147,6 +148,11 @@ class StepPlanner:
         self.profile = profile
         self.clock = StepClock(profile) if profile is not None and online else None
         self._pending: _PendingStep | None = None
+        # whether the clock last let rows draft (the regime a step runs under, kept through the
+        # steps held for prefills and first tokens), the last call's entry, and the resting step
+        # the profile prices its batch at
+        self._drafting_regime = False
+        self._last_call: tuple[float, float] | None = None
 
     @property
     def deciding(self):
@@ -208,6 +214,7 @@ class StepPlanner:
             others,
             fixed=[r.session.draft_row(r.drafts, r.context) for r in forced],
         )
+        self._drafting_regime = bool(forced) or any(ks)
         if not forced and any(ks):
             ks = self._clock_rules(ks)
         kept = list(forced)
@@ -247,8 +254,12 @@ class StepPlanner:
             return [0] * len(ks)
         if self.clock.drafting_rests():
             # the forecast favours drafting, the steps lately did not: rest, longer each time
-            # drafting loses again, then the forecast tries again
-            self.timings.held_by_rate += 1
+            # drafting loses again, then the forecast tries again (or rest to compare with)
+            if self.clock.resting_to_compare:
+                self.timings.held_to_compare += 1
+            else:
+                self.timings.held_by_rate += 1
+            self._drafting_regime = False
             return [0] * len(ks)
         return ks
 
@@ -281,6 +292,11 @@ class StepPlanner:
         if self.clock is None:
             return
         pending, self._pending = self._pending, None
+        last, self._last_call = self._last_call, None
+        if last is not None:  # every step, whole, for the served comparison
+            self.clock.record_step(
+                self._drafting_regime, sum(sampled_counts), entered - last[0], len(req_ids), last[1]
+            )
         self.clock.tick()
         if pending is None or tuple(req_ids) != pending.req_ids or not all(sampled_counts):
             return
@@ -331,6 +347,9 @@ class StepPlanner:
         )
         if self.clock is None:
             return
+        if contexts:
+            rows = len(contexts)
+            self._last_call = (called, unplanned_step(self.profile, rows, sum(contexts) / rows))
         if drafted:
             self.clock.record("draft", cost.forward_s - cost.select_s, cost.predicted)
             self.clock.record("select", cost.select_s, cost.select_predicted)

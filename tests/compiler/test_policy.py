@@ -11,6 +11,8 @@ import pytest
 
 from kapc.lower.kapb import CostPrediction, FallbackPolicy, PlanHeader
 from kapc.policy import (
+    COMPARE_EVERY,
+    COMPARE_STEPS,
     AcceptanceMonitor,
     DraftRow,
     PolicyError,
@@ -616,6 +618,68 @@ def test_the_clock_compares_paces_not_tokens_a_second_across_batch_sizes():
     clock = StepClock(known_profile())
     clock.record_cycle(16, 0.100, 8, 0.030)  # 160 tokens/s at 8 rows
     assert clock.drafting_pays() is False
+
+
+def _served(clock: StepClock, drafting: bool, steps: int, tokens: int, seconds: float) -> None:
+    """`steps` engine steps of 8 rows, each emitting `tokens` in `seconds`, priced at a 0.2 s
+    resting step, under the regime asked."""
+    for _ in range(steps):
+        clock.record_step(drafting, tokens, seconds, 8, 0.2)
+        clock.tick()
+
+
+def test_served_steps_compare_the_regimes_whole():
+    """Steps counted whole, prefills and held steps included: drafting must keep a faster pace
+    than resting by the margin, each side once it has REGIME_WEIGHT steps' weight."""
+    clock = StepClock(known_profile())
+    assert clock.served_pays() is None
+    _served(clock, True, 16, 36, 1.0)  # 36 tokens a second drafting
+    assert clock.served_pays() is None  # nothing at rest yet
+    _served(clock, False, 10, 8, 0.2)
+    assert clock.served_pays() is None  # 10 steps at 0.97 weigh 8.9
+    _served(clock, False, 6, 8, 0.2)  # 40 tokens a second at rest
+    assert clock.served_pays() is False
+    clock = StepClock(known_profile())
+    _served(clock, False, 16, 8, 0.2)
+    _served(clock, True, 16, 8 * 5, 0.98)  # 40.8: within the margin of 40
+    assert clock.served_pays() is False
+    _served(clock, True, 30, 8 * 5, 0.9)  # 44.4: newer steps weigh more
+    assert clock.served_pays() is True
+
+
+def test_drafting_rests_to_compare_then_on_the_served_verdict():
+    """Clean cycles can keep a pace ahead of clean resting steps while the server delivers
+    less drafting (8K x 8: newcomers wait for verifications): once drafting has run long enough,
+    it rests COMPARE_STEPS steps to time the resting side, then rests for as long as the served
+    steps say it loses, though every clean cycle says it wins."""
+    clock = StepClock(known_profile())
+    rests = []
+    for _ in range(400):
+        clock.record_cycle(5, 0.03, 1, 0.010)  # clean cycles: 5 tokens in 3 resting steps
+        resting = clock.drafting_rests()
+        rests.append(resting)
+        if resting:
+            _served(clock, False, 1, 8, 0.2)  # 40 tokens a second at rest
+        else:
+            _served(clock, True, 1, 32, 0.9)  # 35.6 drafting, all told
+    assert clock.drafting_pays() is True  # the clean cycles say it wins
+    assert not any(rests[:15])  # drafting runs until it has REGIME_WEIGHT steps' weight
+    assert all(rests[15 : 15 + COMPARE_STEPS])  # then rests to compare
+    # then rests on the served verdict, twice as long each time drafting loses again
+    assert COMPARE_STEPS == 16
+    assert not any(rests[31:46]) and all(rests[46:62])  # drafting again, then a loss: 16
+    assert not any(rests[62:77]) and all(rests[77:109])  # again, and again a loss: 32
+    assert sum(rests) > 0.7 * len(rests)
+    # where drafting wins served too, it rests only to compare: COMPARE_STEPS every
+    # COMPARE_EVERY steps
+    clock = StepClock(known_profile())
+    rests = []
+    for _ in range(1000):
+        resting = clock.drafting_rests()
+        rests.append(resting)
+        assert not resting or clock.resting_to_compare  # never a loss's rest
+        _served(clock, not resting, 1, 8 if resting else 48, 0.2 if resting else 0.9)
+    assert 0 < sum(rests) <= COMPARE_STEPS * (1 + 1000 // COMPARE_EVERY)
 
 
 def test_drafting_rests_longer_each_time_it_loses_again():

@@ -172,3 +172,29 @@ def test_an_engine_step_is_timed_when_it_ran_the_rows_the_call_left():
     assert planner.timings.calls == 2 and planner.timings.propose_s == pytest.approx(0.04)
     popped = planner.stats(pop=True)
     assert popped["timing"]["calls"] == 2 and planner.timings.calls == 0
+
+
+def test_every_step_counts_whole_under_the_regime_it_ran_in():
+    """Each step from one call's entry to the next, prefills and newcomers included, counts
+    toward the regime the clock was in when the call planned it: drafting allowed, kept through
+    steps held for a first token, or resting."""
+    planner = StepPlanner(known_profile())
+    quiet = EngineLoad(running=2, seats=8)
+    kept = planner.plan(rows(2, p=0.9), [], quiet)
+    assert kept  # drafting allowed
+    planner.call_done(1.0, 1.03, ["a", "b"], [4096, 4096], kept, {0: 3, 1: 3}, DraftCost())
+    planner.step_done(1.2, ["a", "b"], [4, 3])
+    assert planner.plan(rows(2, p=0.9), [], quiet, first_tokens=1) == []  # held, same regime
+    planner.call_done(1.2, 1.21, ["a", "b"], [4100, 4100], [], {}, DraftCost())
+    planner.step_done(1.5, ["a", "b", "c"], [1, 1, 1])  # a newcomer prefilled: counted too
+    t, seconds, n = planner.clock._regimes[True]
+    resting = 0.010  # the profile's resting step at 4K
+    assert n == pytest.approx(1 + 0.97)
+    assert seconds == pytest.approx(0.2 * 0.97 + 0.3)
+    assert t == pytest.approx(7 / 2 * resting * 0.97 + 3 / 3 * resting)
+    assert planner.clock._regimes[False][2] == 0
+    # a step the forecast leaves at rest counts as resting
+    planner.plan(rows(2, p=0.1), [], quiet)
+    planner.call_done(2.0, 2.01, ["a", "b"], [4100, 4100], [], {}, DraftCost())
+    planner.step_done(2.1, ["a", "b"], [1, 1])
+    assert planner.clock._regimes[False][2] == pytest.approx(1)
