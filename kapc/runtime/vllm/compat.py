@@ -389,7 +389,6 @@ def replace_decode_attention(
     called again: that call and every later one run vLLM's kernel, and `on_refused(reason)` is
     told once. Once per engine; check `attention_kernel_problem` first."""
     from kapc.errors import KapcError
-    from kapc.runtime.kernels.choice import forward_shape
 
     refused: list[str] = []
     for i, module in enumerate(attention_modules(vllm_config, layout)):
@@ -413,27 +412,16 @@ def replace_decode_attention(
             **kwargs,
         ):
             m = attn_metadata
-            if (
-                refused
-                or m is None
-                or m.max_query_len > max_query
-                or m.causal is not True
-                or getattr(m, "dynamic_causal", None) is not None
-            ):
+            if refused or not _kernel_fits(m, max_query):
                 return _original(layer, query, key, value, kv_cache, m, output, *args, **kwargs)
-            shape = timed = None
-            if trials is not None:
-                shape = forward_shape(m.max_query_len, m.query_start_loc.numel() - 1, m.max_seq_len)
-                on_kapc = trials.use_kapc(shape, _i)
-                timed = trials.trying(shape)
-                if not on_kapc:
-                    t0 = time.perf_counter()
-                    _original(layer, query, key, value, kv_cache, m, output, *args, **kwargs)
-                    if timed:
-                        trials.timed(shape, False, time.perf_counter() - t0)
-                    return output
-            n = m.num_actual_tokens
+            on_kapc, tried = _kernel_choice(trials, m, _i)
             t0 = time.perf_counter()
+            if not on_kapc:
+                _original(layer, query, key, value, kv_cache, m, output, *args, **kwargs)
+                if tried is not None:
+                    trials.timed(tried, False, time.perf_counter() - t0)
+                return output
+            n = m.num_actual_tokens
             try:
                 kernel(
                     query[:n],
@@ -449,14 +437,37 @@ def replace_decode_attention(
                 if on_refused is not None:
                     on_refused(str(exc))
                 return _original(layer, query, key, value, kv_cache, m, output, *args, **kwargs)
-            if timed:
-                trials.timed(shape, True, time.perf_counter() - t0)
+            if tried is not None:
+                trials.timed(tried, True, time.perf_counter() - t0)
             if on_call is not None:
                 on_call(_i, m.max_query_len)
             return output
 
         impl.forward = forward
         impl._kapc_forward = forward
+
+
+def _kernel_fits(m, max_query: int) -> bool:
+    """Whether kapc's kernel can run a forward of these attention metadata: plain causal
+    attention of at most `max_query` query tokens per row."""
+    return (
+        m is not None
+        and m.max_query_len <= max_query
+        and m.causal is True
+        and getattr(m, "dynamic_causal", None) is None
+    )
+
+
+def _kernel_choice(trials, m, layer: int) -> tuple[bool, tuple[int, int] | None]:
+    """Whether kapc's kernel runs `layer`'s forward under `trials` (always, without them), and
+    the forward's shape while `trials` still times it (else None)."""
+    if trials is None:
+        return True, None
+    from kapc.runtime.kernels.choice import forward_shape
+
+    shape = forward_shape(m.max_query_len, m.query_start_loc.numel() - 1, m.max_seq_len)
+    on_kapc = trials.use_kapc(shape, layer)
+    return on_kapc, shape if trials.trying(shape) else None
 
 
 def _cpu_packed_keys(kv: torch.Tensor) -> torch.Tensor:
