@@ -149,10 +149,10 @@ class StepPlanner:
         self.clock = StepClock(profile) if profile is not None and online else None
         self._pending: _PendingStep | None = None
         # whether the clock last let rows draft (the regime a step runs under, kept through the
-        # steps held for prefills and first tokens), the last call's entry, and the resting step
-        # the profile prices its batch at
+        # steps held for prefills and first tokens); the last call's entry, the resting step the
+        # profile prices its batch at, and the requests queued beside it
         self._drafting_regime = False
-        self._last_call: tuple[float, float] | None = None
+        self._last_call: tuple[float, float, int] | None = None
 
     @property
     def deciding(self):
@@ -294,8 +294,9 @@ class StepPlanner:
         pending, self._pending = self._pending, None
         last, self._last_call = self._last_call, None
         if last is not None:  # every step, whole, for the served comparison
+            held = len(req_ids) + last[2]
             self.clock.record_step(
-                self._drafting_regime, sum(sampled_counts), entered - last[0], len(req_ids), last[1]
+                self._drafting_regime, sum(sampled_counts), entered - last[0], held, last[1]
             )
         self.clock.tick()
         if pending is None or tuple(req_ids) != pending.req_ids or not all(sampled_counts):
@@ -348,8 +349,12 @@ class StepPlanner:
         if self.clock is None:
             return
         if contexts:
-            rows = len(contexts)
-            self._last_call = (called, unplanned_step(self.profile, rows, sum(contexts) / rows))
+            # requests admitted late are the cost of a regime too: counted beside the rows, so a
+            # step's pace is per request the engine holds (running, waiting or just arrived)
+            rows, load, self._load = len(contexts), self._load, None
+            queued = load.waiting + load.arriving if load is not None else 0
+            resting_s = unplanned_step(self.profile, rows, sum(contexts) / rows)
+            self._last_call = (called, resting_s, queued)
         if drafted:
             self.clock.record("draft", cost.forward_s - cost.select_s, cost.predicted)
             self.clock.record("select", cost.select_s, cost.select_predicted)

@@ -198,3 +198,17 @@ def test_every_step_counts_whole_under_the_regime_it_ran_in():
     planner.call_done(2.0, 2.01, ["a", "b"], [4100, 4100], [], {}, DraftCost())
     planner.step_done(2.1, ["a", "b"], [1, 1])
     assert planner.clock._regimes[False][2] == pytest.approx(1)
+
+
+def test_requests_waiting_for_a_seat_count_against_the_step():
+    """A step's pace is per request the engine holds: two waiting beside a batch of two halve
+    it, so a regime that keeps newcomers waiting is not judged on its smaller batches alone."""
+    planner = StepPlanner(known_profile())
+    for waiting, at in ((0, 1.0), (2, 2.0)):
+        load = EngineLoad(waiting=waiting, running=2, seats=2)
+        kept = planner.plan(rows(2, p=0.9), [], load)
+        planner.call_done(at, at + 0.01, ["a", "b"], [4096, 4096], kept, {}, DraftCost())
+        planner.step_done(at + 0.1, ["a", "b"], [1, 1])
+    t, seconds, n = planner.clock._regimes[True]
+    resting = 0.010
+    assert t == pytest.approx(1 * resting * 0.97 + 2 / 4 * resting)
