@@ -41,15 +41,15 @@ class KernelTrials:
     (`timed`) until `trials` steps of that shape have been split between the kernels."""
 
     trials: int = 4
-    chosen: dict[tuple[int, int], bool] = field(default_factory=dict)
     _open: dict[tuple[int, int], _Trial] = field(default_factory=dict)
-    # shape: kapc's mean seconds per call over the engine's, once chosen
+    # shape: kapc's mean seconds per call over the engine's, once chosen (at most 1: kapc's)
     ratios: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def use_kapc(self, shape: tuple[int, int], layer: int) -> bool:
         """Whether `layer`'s forward of `shape` runs kapc's kernel. Layer 0 starts a step."""
-        if shape in self.chosen:
-            return self.chosen[shape]
+        ratio = self.ratios.get(shape)
+        if ratio is not None:
+            return ratio <= 1.0
         if shape[1] < TRIAL_FROM_TOKENS:
             return True
         trial = self._open.setdefault(shape, _Trial())
@@ -79,13 +79,11 @@ class KernelTrials:
         del self._open[shape]
         ratio = (trial.kapc_s / trial.kapc_calls) / max(1e-12, trial.engine_s / trial.engine_calls)
         self.ratios[shape] = ratio
-        self.chosen[shape] = ratio <= 1.0
-        return self.chosen[shape]
+        return ratio <= 1.0
 
     def summary(self) -> dict[str, str]:
         """Each decided shape's kernel and kapc's speed against the engine's, for the statistics."""
         return {
-            f"q{q} kv{tokens}": f"{'kapc' if self.chosen[(q, tokens)] else 'engine'} "
-            f"{1 / self.ratios[(q, tokens)]:.2f}x"
-            for (q, tokens) in sorted(self.ratios)
+            f"q{q} kv{tokens}": f"{'kapc' if ratio <= 1.0 else 'engine'} {1 / ratio:.2f}x"
+            for (q, tokens), ratio in sorted(self.ratios.items())
         }

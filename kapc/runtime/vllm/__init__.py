@@ -447,9 +447,9 @@ def generate(
             "step_totals",
             "attention_kernel",
             "kernel_choices",
+            "draft_weights",
         ):
             results[0][key] = stats.get(key)
-        results[0]["draft_weights"] = stats.get("draft_weights")
         results[0]["timing"] = timing
     return results
 

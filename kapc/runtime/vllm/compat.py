@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kapc.runtime.kernels.choice import forward_shape
+
 
 class UnsupportedAttention(RuntimeError):
     """The model's attention cannot be read through a compact block table."""
@@ -463,8 +465,6 @@ def _kernel_choice(trials, m, layer: int) -> tuple[bool, tuple[int, int] | None]
     the forward's shape while `trials` still times it (else None)."""
     if trials is None:
         return True, None
-    from kapc.runtime.kernels.choice import forward_shape
-
     shape = forward_shape(m.max_query_len, m.query_start_loc.numel() - 1, m.max_seq_len)
     on_kapc = trials.use_kapc(shape, layer)
     return on_kapc, shape if trials.trying(shape) else None
