@@ -79,3 +79,6 @@ def test_the_load_benchmark_refuses_a_server_it_does_not_know():
     assert parse_args(["--servers", "kapc"]).servers == "kapc"
     with pytest.raises(SystemExit):
         parse_args(["--servers", "kapc,sglang"])
+    # kapc's server without priors, and more vLLM arguments for every server
+    args = parse_args(["--servers", "vllm,kapc-none", "--engine-args=--no-async-scheduling"])
+    assert args.servers == "vllm,kapc-none" and args.engine_args == "--no-async-scheduling"
