@@ -495,7 +495,10 @@ def plan_step(
 # Nor does a row draft in a step whose output carries a request's first token: the engine sends a
 # step's tokens once its drafts are made, so the newcomer's first token would wait for the cycle
 # (and for the first reading of a query-aware plan's key bounds); its rows draft from the step
-# after, at the cost of one cycle per request admitted.
+# after, at the cost of one cycle per request admitted. Likewise a step whose output ends a
+# request: its last token would wait for the cycle, and so would a client that sends its next
+# request on it (closed loops: chat sessions, agents, a benchmark's fixed concurrency), which then
+# lands in a verification instead of a plain step; one cycle per request finished.
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ admission). A batch larger than any the profile timed is not forecast (its step 
 extrapolated): it decodes plainly until `kapc calibrate` has measured such batches. Rows the
 caller marks `forced` draft whatever the profile says. With or without a
 profile, forced or not, no row drafts before a step that prefills (the engine's `EngineLoad`:
-kapc.policy.prefills_next), and a cycle stops drafting when a request arrives while it drafts
-(`stops_for_arrival`).
+kapc.policy.prefills_next) or in a step whose output begins or ends a request, and a cycle stops
+drafting when a request arrives while it drafts (`stops_for_arrival`).
 
 The planner also times each engine step against the profile (`step_done`), and keeps the hook's
 timings (`HookTimings`) and one `StepRecord` per step for calibration. It is torch-free and
@@ -64,6 +64,17 @@ class Candidate:
         return self.position + 1
 
 
+class Ends(NamedTuple):
+    """How many requests a step's output begins (carries their first token) and ends (their
+    last: a stop token or the length limit)."""
+
+    first: int = 0
+    last: int = 0
+
+
+NO_ENDS = Ends()
+
+
 class HookTimings(msgspec.Struct):
     """What the hook's calls cost and what the profile expected of the steps they planned, summed
     since the statistics were last popped. `forecast_s`, `plain_forecast_s` and `forecast_tokens`
@@ -91,6 +102,7 @@ class HookTimings(msgspec.Struct):
     # after the step was scheduled and the next step will prefill it
     held_by_arrival: int = 0
     held_for_first_token: int = 0  # steps held because their output carries a first token
+    held_for_last_token: int = 0  # steps held because their output ends a request
     held_beyond_profile: int = 0  # steps held because the batch is larger than the profile timed
 
 
@@ -174,15 +186,16 @@ class StepPlanner:
         others: list[int],
         load: EngineLoad | None = None,
         arrivals: Callable[[], int] | None = None,
-        first_tokens: int = 0,
+        ends: Ends = NO_ENDS,
     ) -> list[Candidate]:
         """The rows that draft this step, each capped at the drafts that pay (all of them
         without a profile), in batch order; `others` are the contexts of the rows that cannot
         draft, `load` what else the engine held when it scheduled the step, `arrivals()` how
         many requests it has received since (asked again as the rows draft:
-        `stops_for_arrival`), `first_tokens` the rows whose first token this step emits. Before a
-        step that prefills no row drafts, nor in a step that emits a first token, forced or not
-        (kapc.policy). Rows held back, but for a first token, count a held step."""
+        `stops_for_arrival`), `ends` the requests whose first or last token this step emits.
+        Before a step that prefills no row drafts, nor in a step that emits a request's first or
+        last token, forced or not (kapc.policy). Rows held back, but for those tokens, count a
+        held step."""
         self._load, self._arrivals = load, arrivals
         if prefills_next(load):
             self.timings.held_by_prefill += 1
@@ -191,8 +204,11 @@ class StepPlanner:
             return []
         if self.stops_for_arrival(rows):
             return []
-        if first_tokens:  # not held against the rows: every request has its first token
-            self.timings.held_for_first_token += 1
+        if ends.first or ends.last:  # not held against the rows: every request has both
+            if ends.first:
+                self.timings.held_for_first_token += 1
+            else:
+                self.timings.held_for_last_token += 1
             return []
         if self.profile is None:
             return rows

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,6 +172,8 @@ class PlanSession:
     # tokens the request holds when its length limit stops it (None: none known): drafts past
     # the last token it may emit are forwards spent for nothing
     end_tokens: int | None = None
+    # token ids that end it when sampled (its EOS unless ignored, its stop token ids)
+    stop_ids: frozenset[int] = frozenset()
     status: str = "none"
     reason: str | None = None
     note: str | None = None
@@ -207,6 +209,15 @@ class PlanSession:
     compile_cached: bool = False
     compiling_plan: Any = None  # the compile of its prior, while it runs (a Future)
     serial: int = field(default_factory=lambda: next(_serials))  # unique for the process
+
+    def ends_with(self, sampled: Sequence[int], tokens: int) -> bool:
+        """Whether a step that sampled `sampled` for it, leaving it `tokens` long, ends it: a
+        stop token among them, or its length limit reached (stop strings, matched on text
+        later, are not seen here)."""
+        if not sampled:
+            return False
+        hit_limit = self.end_tokens is not None and tokens >= self.end_tokens
+        return hit_limit or not self.stop_ids.isdisjoint(sampled)
 
     # ---- admission ---------------------------------------------------------------------------
     def refuse(self, reason: str, error: KapcError | None = None) -> None:

@@ -11,7 +11,14 @@ import pytest
 
 from kapc.policy import EngineLoad, prefills_next
 from kapc.profile import load_profile
-from kapc.runtime.planner import Candidate, DraftCost, HookTimings, StepPlanner, StepRecord
+from kapc.runtime.planner import (
+    Candidate,
+    DraftCost,
+    Ends,
+    HookTimings,
+    StepPlanner,
+    StepRecord,
+)
 from kapc.runtime.session import PlanSession
 from tests.compiler.test_policy import known_profile
 
@@ -131,11 +138,36 @@ def test_no_row_drafts_in_a_step_that_emits_a_first_token():
     quiet = EngineLoad(running=3, seats=8)
     for planner in (StepPlanner(), StepPlanner(known_profile(), online=False)):
         batch = rows(2, p=0.9) + [Candidate(2, session(0.9, forced=True), 4095, 4)]
-        assert planner.plan(batch, [100], quiet, first_tokens=1) == []
+        assert planner.plan(batch, [100], quiet, ends=Ends(first=1)) == []
         assert [r.session.held for r in batch] == [0, 0, 0]  # every request has a first token
         assert planner.timings.held_for_first_token == 1
         assert planner.plan(batch, [100], quiet) != []
         assert planner.timings.held_for_first_token == 1
+
+
+def test_no_row_drafts_in_a_step_that_ends_a_request():
+    """A finished request's last token leaves with its step's output, after that step's drafts:
+    drafting then delays it, and a client that sends its next request on it. While a request's
+    last token is in the output no row drafts, forced or not, and no row is charged a hold."""
+    quiet = EngineLoad(running=3, seats=8)
+    for planner in (StepPlanner(), StepPlanner(known_profile(), online=False)):
+        batch = rows(2, p=0.9) + [Candidate(2, session(0.9, forced=True), 4095, 4)]
+        assert planner.plan(batch, [100], quiet, ends=Ends(last=1)) == []
+        assert [r.session.held for r in batch] == [0, 0, 0]
+        assert planner.timings.held_for_last_token == 1
+        assert planner.timings.held_for_first_token == 0
+        assert planner.plan(batch, [100], quiet) != []
+        assert planner.timings.held_for_last_token == 1
+
+
+def test_a_request_ends_on_a_stop_token_or_at_its_length_limit():
+    s = PlanSession(tag="r", prompt_tokens=100, end_tokens=148, stop_ids=frozenset({2, 7}))
+    assert not s.ends_with([5], 120)
+    assert s.ends_with([5, 7], 122)  # a stop token among a cycle's accepted tokens
+    assert s.ends_with([5], 148) and s.ends_with([5, 6], 149)
+    assert not s.ends_with([], 148)  # no output this step (a chunk of its prompt)
+    unlimited = PlanSession(tag="u", prompt_tokens=100)  # no limit, no stop ids
+    assert not unlimited.ends_with([2], 10_000)
 
 
 def test_the_clock_rests_one_step_in_sixteen_and_holds_while_drafting_loses():
@@ -184,7 +216,7 @@ def test_every_step_counts_whole_under_the_regime_it_ran_in():
     assert kept  # drafting allowed
     planner.call_done(1.0, 1.03, ["a", "b"], [4096, 4096], kept, {0: 3, 1: 3}, DraftCost())
     planner.step_done(1.2, ["a", "b"], [4, 3])
-    assert planner.plan(rows(2, p=0.9), [], quiet, first_tokens=1) == []  # held, same regime
+    assert planner.plan(rows(2, p=0.9), [], quiet, ends=Ends(first=1)) == []  # held, same regime
     planner.call_done(1.2, 1.21, ["a", "b"], [4100, 4100], [], {}, DraftCost())
     planner.step_done(1.5, ["a", "b", "c"], [1, 1, 1])  # a newcomer prefilled: counted too
     t, seconds, n = planner.clock._regimes[True]

@@ -606,6 +606,27 @@ def test_no_row_drafts_in_the_step_that_emits_a_first_token(engine, cases, basel
     assert res[0]["timing"]["draft_forwards"] == 0
 
 
+def test_no_row_drafts_in_the_step_that_ends_a_request(engine, cases, baseline):
+    """A finished request's last token leaves once its step's drafts are made: the step whose
+    output carries a stop token drafts nothing. The request stops on a token of its own greedy
+    output, and its tokens stay plain vLLM's up to it."""
+    from kapc.runtime.vllm import generate
+
+    ref = baseline[0]
+    j = next(i for i in range(4, len(ref)) if ref[i] not in ref[:i])  # a token first seen late
+    (r,) = generate(
+        engine,
+        [cases[0].ids],
+        [cases[0].plan],
+        max_tokens=len(ref),
+        honor_predicted_loss=False,
+        sampling={"stop_token_ids": [ref[j]]},
+    )
+    assert r["tokens"] == ref[: j + 1] and r["finish_reason"] == "stop"
+    assert r["status"] == "plan" and r["proposed"] > 0
+    assert r["timing"]["held_for_last_token"] == 1
+
+
 def test_no_row_drafts_while_a_prompt_is_still_being_prefilled(engine, cases, baseline):
     """Fresh prompts longer than one step's token budget are prefilled over two steps; until
     they are, a planned row decodes plainly (drafting would delay their first tokens), then it

@@ -117,6 +117,17 @@ def batch_request(runner, req_id: str):
     return runner.requests.get(req_id)
 
 
+def request_ends(sampling_params, prompt_tokens: int) -> tuple[int | None, frozenset[int]]:
+    """What ends a request, as vLLM's scheduler checks it (`check_stop`): the tokens it holds at
+    its `max_tokens` (None: no limit), and the token ids whose sampling stops it (its EOS, None
+    where `ignore_eos`, and its stop token ids)."""
+    sp = sampling_params
+    limit = getattr(sp, "max_tokens", None)
+    eos = getattr(sp, "eos_token_id", None)
+    ids = set(getattr(sp, "stop_token_ids", None) or ()) | ({eos} if eos is not None else set())
+    return (prompt_tokens + int(limit) if limit is not None else None), frozenset(ids)
+
+
 def live_request_ids(runner) -> set[str]:
     return set(runner.requests)
 

@@ -36,7 +36,7 @@ from collections import OrderedDict
 
 import torch
 
-from kapc.runtime.planner import Candidate, DraftCost, StepPlanner
+from kapc.runtime.planner import Candidate, DraftCost, Ends, StepPlanner
 from kapc.runtime.session import (
     OPTS_KEY,
     PLAN_KEY,
@@ -178,8 +178,7 @@ class KapProposer:
         if s is None:
             s = self.sessions[req_id] = PlanSession(tag=str(extra.get(TAG_KEY, req_id)))
             s.prompt_tokens = len(req.prompt_token_ids or ())
-            if getattr(sp, "max_tokens", None) is not None:
-                s.end_tokens = s.prompt_tokens + int(sp.max_tokens)
+            s.end_tokens, s.stop_ids = compat.request_ends(sp, s.prompt_tokens)
         try:
             self._admit_request(s, req, extra)
         except Exception as exc:  # noqa: BLE001 - one request's plan must not stop the engine
@@ -244,11 +243,11 @@ class KapProposer:
         self.planner.step_done(called, req_ids, [len(t) for t in sampled_token_ids])
         step = compat.step_schedule()
         start_compiling(*compat.new_request_args(step))  # plans compile during their prefill
-        rows, firsts = self._candidates(runner, req_ids, sampled_token_ids, contexts)
+        rows, ends = self._candidates(runner, req_ids, sampled_token_ids, contexts)
         if rows:
             drafting = {r.row for r in rows}
             others = [c for row, c in enumerate(contexts) if row not in drafting]
-            rows = self.planner.plan(rows, others, step_load(step), step_arrivals(step), firsts)
+            rows = self.planner.plan(rows, others, step_load(step), step_arrivals(step), ends)
         rows, drafts, cost = self._draft_rows(rows, token_ids_cpu)
         out: list[list[int]] = [[] for _ in range(n)]
         for r, d in zip(rows, drafts):
@@ -257,10 +256,10 @@ class KapProposer:
         self.planner.call_done(called, time.perf_counter(), req_ids, contexts, rows, written, cost)
         return out
 
-    def _candidates(self, runner, req_ids, sampled, contexts) -> tuple[list[Candidate], int]:
+    def _candidates(self, runner, req_ids, sampled, contexts) -> tuple[list[Candidate], Ends]:
         """Book what the last step emitted for every request; return the rows that may draft
-        now, each with the most drafts the engine allows it, and how many emitted a first token."""
-        rows, firsts = [], 0
+        now, each with the most drafts the engine allows, and the requests it began and ended."""
+        rows, firsts, lasts = [], 0, 0
         for row, rid in enumerate(req_ids):
             req = compat.batch_request(runner, rid)
             if req is None:
@@ -268,6 +267,7 @@ class KapProposer:
             s = self._session_for(rid, req)
             s.sampled(len(sampled[row]))
             firsts += s.steps == 1 and bool(sampled[row])
+            lasts += s.ends_with(sampled[row], contexts[row])
             position = contexts[row] - 1  # of the newest sampled token
             if not s.drafting or not sampled[row] or position < s.prompt_tokens:
                 continue
@@ -277,7 +277,7 @@ class KapProposer:
             )
             if budget >= 1 and s.check_blocks(blocks):
                 rows.append(Candidate(row, s, position, budget, blocks))
-        return rows, firsts
+        return rows, Ends(firsts, lasts)
 
     def _draft_rows(self, rows: list[Candidate], token_ids_cpu):
         """Draft `rows`; a failure costs them their plans (the engine step goes on)."""
