@@ -541,22 +541,20 @@ def prefills_next(load: EngineLoad | None, arrived: int = 0) -> bool:
 class StepClock:
     """Observed over predicted seconds per step kind, and the profile scaled by them.
 
-    Each observation's weight falls by `decay` at every engine step (`tick`), so the factors
-    follow the machine within a few dozen steps; a kind shrinks toward its fallback with the
-    weight of `prior` observations, so one slow step moves little. Resting steps are rare where
-    rows always draft, so until they are seen they, and plain steps, follow verification's
-    factor: both are full-context forwards of one engine. Once seen, their observations fade by
-    `decay` at each newer one instead of at each step: they are the pace drafting is priced
-    against, and at most one step in `sample_every` rests while rows draft, so fading by steps
-    handed them back to verification's factor within a few dozen steps. Under 8 in flight at 8K
-    on an AVX-512 CPU that was 1.54 where resting steps ran at 1.05, and drafting, 15% slower a
-    token than resting, was forecast and paced as a win. It also keeps the pace of whole steps
-    with drafts against resting ones (`drafting_pays`), and asks for a resting step when it has
-    not timed one for a while (`wants_sample`).
+    Each observation's weight falls by `decay` at every newer observation of its kind, so a
+    factor follows the machine within a few dozen of its steps and keeps what it last saw while
+    no step of its kind runs; a kind shrinks toward its fallback with the weight of `prior`
+    observations, so one slow step moves little. Resting steps are rare where rows always draft,
+    so until they are seen they, and plain steps, follow verification's factor: both are
+    full-context forwards of one engine. Fading by engine steps instead handed a kind back to
+    the profile whenever its steps stopped: a resting factor faded back to verification's (1.54
+    where resting ran at 1.05-1.17, 8K x 8 on an AVX-512 CPU) and priced a 15% loss as a win,
+    and once the forecast held drafting at a shape where the hook's own work ran 300x the
+    profile's, that factor faded back, the forecast drafted again and lost again, every few dozen
+    steps. The clock also keeps the pace of whole steps with drafts against resting ones
+    (`drafting_pays`), and asks for a resting step when it has not timed one for a while
+    (`wants_sample`).
     """
-
-    # the baseline's kinds: their observations fade by newer ones, not by steps
-    BASELINE = frozenset({"resting", "plain"})
 
     def __init__(self, profile, decay: float = 0.95, prior: float = 2.0, sample_every: int = 16):
         self.base = profile
@@ -582,15 +580,11 @@ class StepClock:
         self._totals: dict[str, list[float]] = {}
 
     def tick(self) -> None:
-        """One engine step has passed: older observations weigh less."""
+        """One engine step has passed: older whole cycles weigh less (a kind's observations fade
+        by newer ones of the kind, `record`)."""
         d = self.decay
-        self._sums = {
-            k: (o, p, n) if k in self.BASELINE else (o * d, p * d, n * d)
-            for k, (o, p, n) in self._sums.items()
-        }
         t, sec, n = self._cycles
         self._cycles = (t * d, sec * d, n * d)
-        self._scaled = None
         self._steps += 1
 
     def record_cycle(self, tokens: int, seconds: float, rows: int, resting_s: float) -> None:
@@ -715,9 +709,8 @@ class StepClock:
         f = self.factor(kind)
         observed = min(max(observed, predicted * f / 4), predicted * f * 4)
         o, p, n = self._sums.get(kind, (0.0, 0.0, 0.0))
-        if kind in self.BASELINE:
-            o, p, n = o * self.decay, p * self.decay, n * self.decay
-        self._sums[kind] = (o + observed, p + predicted, n + 1.0)
+        d = self.decay
+        self._sums[kind] = (o * d + observed, p * d + predicted, n * d + 1.0)
         self._scaled = None
         self._sampled_at[kind] = self._steps
 

@@ -496,28 +496,36 @@ def test_the_step_policy_decides_on_the_step_times_it_measures():
     assert clock.factor("draft") == pytest.approx((3 * n + 2) / (n + 2))
     assert clock.profile.seconds("draft", 1, 409) == pytest.approx(0.003 * clock.factor("draft"))
     assert plan_step(clock.profile, [row], []) == [0]
+    # with no new observations a factor keeps what its steps last said: drafts three times
+    # dearer stay held however many steps pass at rest, not handed back to the profile
+    slow_drafts = clock.factor("draft")
+    for _ in range(400):
+        clock.tick()
+    assert clock.factor("draft") == slow_drafts
+    assert plan_step(clock.profile, [row], []) == [0]
+    # newer observations replace them: drafts back at the profile's time draft again
+    for _ in range(60):
+        clock.record("draft", 0.003, 0.003)
+    old, new = n * 0.95**60, (1 - 0.95**60) / 0.05
+    assert clock.factor("draft") == pytest.approx((3 * old + new + 2) / (old + new + 2))
+    assert plan_step(clock.profile, [row], []) == [3]
 
     # resting steps, rare where rows always draft, follow verification's factor until seen
     clock = StepClock(prof, decay=0.95, prior=2.0)
     for _ in range(10):
         clock.record("verify", 0.034, 0.017)
-    assert clock.factor("verify") == pytest.approx((2 * 10 + 2) / 12)
+    # observations fade by newer ones of their kind: 10 at 2x weigh (1 - 0.95^10) / 0.05
+    n = (1 - 0.95**10) / 0.05
+    assert clock.factor("verify") == pytest.approx((2 * n + 2) / (n + 2))
     assert clock.factor("plain") == clock.factor("resting") == clock.factor("verify")
     for _ in range(10):
         clock.record("plain", 0.010, 0.010)
-    # the baseline's observations fade by newer ones: 10 at 1x weigh (1 - 0.95^10) / 0.05
-    n = (1 - 0.95**10) / 0.05
     assert clock.factor("plain") == pytest.approx((n + 2 * clock.factor("verify")) / (n + 2))
     # one step counts as at most 4x off the factor: a pause moves it little
     paused, slow = StepClock(prof), StepClock(prof)
     paused.record("verify", 0.017 * 100, 0.017)
     slow.record("verify", 0.017 * 4, 0.017)
     assert paused.factor("verify") == slow.factor("verify") == pytest.approx((4 + 2) / 3)
-    # with no new observations the factors return to the profile's
-    for _ in range(400):
-        clock.tick()
-    assert clock.factor("verify") == pytest.approx(1.0, abs=1e-3)
-    assert plan_step(clock.profile, [row], []) == [3]
 
 
 def test_resting_steps_seen_once_stay_the_baseline_while_rows_draft():
