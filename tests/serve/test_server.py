@@ -183,6 +183,8 @@ def test_cancelled_and_abandoned_requests_leak_nothing(server, reference):
     stream.close()  # the client goes away mid-stream: vLLM aborts the request
     impatient = OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=1.5)
     gone = _tag("abandoned")
+    # 200 tokens past any EOS take seconds to decode even with the prompt's prefix cached (an
+    # earlier test's), so the client gives up while the request runs
     with pytest.raises(Exception):  # noqa: B017 - the client's own timeout, whatever its class
         impatient.chat.completions.create(
             model=server.model,
@@ -190,7 +192,8 @@ def test_cancelled_and_abandoned_requests_leak_nothing(server, reference):
             max_tokens=200,
             temperature=0,
             extra_body={
-                "vllm_xargs": {**plan_xargs(prior=PRIORS["q0-4k"], tag=gone), "kapc_opts": FORCE}
+                "ignore_eos": True,
+                "vllm_xargs": {**plan_xargs(prior=PRIORS["q0-4k"], tag=gone), "kapc_opts": FORCE},
             },
         )
     # still serving, and identically
