@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import re
-import threading
 
 import pytest
 
@@ -52,27 +50,6 @@ def test_a_prior_compiles_once_per_block_size(ctx):
     other = PlanCompiler(str(ctx.assets.path), block_size=64, engine="vllm-cpu")
     assert other.key(text.encode()) != one.key(text.encode())
     assert decode_plan(other.compile(text).data).header.block_size == 64
-
-
-def test_priors_compile_on_the_cores_the_forwards_leave(ctx):
-    """A worker bound to its forward's core starts the compiler's thread; the thread moves to
-    the other cores (vLLM-CPU's server leaves them to processes that mostly wait)."""
-    every = os.sched_getaffinity(0)
-    seen = {}
-
-    def bound_worker():
-        os.sched_setaffinity(0, {min(every)})
-        compiler = PlanCompiler(str(ctx.assets.path), block_size=32, engine="vllm-cpu")
-        seen["compiler"] = compiler._thread.submit(os.sched_getaffinity, 0).result()
-        seen["worker"] = os.sched_getaffinity(0)
-
-    t = threading.Thread(target=bound_worker)
-    t.start()
-    t.join()
-    assert seen["worker"] == {min(every)}
-    spare = set(range(os.cpu_count() or 1)) - {min(every)}
-    assert seen["compiler"] == (spare or {min(every)})  # one core: nowhere else to go
-    assert os.sched_getaffinity(0) == every  # the test's own thread untouched
 
 
 def test_the_cache_keeps_the_newest_plans(ctx):

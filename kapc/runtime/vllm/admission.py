@@ -23,7 +23,6 @@ import base64
 import hashlib
 import json
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -43,21 +42,6 @@ from kapc.runtime.session import (
 
 log = logging.getLogger("vllm.kapc")
 CACHED_PLANS = 256  # compiled plans kept per engine, least recently used dropped first
-
-
-def off_the_forward_cores() -> None:
-    """Move the calling thread to the cores the thread that started it is not bound to, if any.
-    vLLM-CPU's server binds its worker's forwards to its OpenMP cores and leaves the rest to the
-    engine core and API server processes, which mostly wait for the worker; a thread the worker
-    starts inherits the binding, so the compiler ran on the forwards' core and a wave of priors
-    compiling slowed the prefill step their first tokens wait for. Unbound (every core
-    allowed), nothing changes."""
-    try:
-        spare = set(range(os.cpu_count() or 1)) - os.sched_getaffinity(0)
-        if spare:
-            os.sched_setaffinity(0, spare)
-    except (AttributeError, OSError):  # no affinity calls here, or cores this process may not use
-        pass
 
 
 @dataclass(frozen=True)
@@ -98,9 +82,7 @@ class PlanCompiler:
         self._early: set[str] = set()  # compiles started early, no request admitted with them yet
         self._unclaimed: dict[str, float] = {}  # seconds of early compiles done, unclaimed
         self._lock = threading.Lock()
-        self._thread = ThreadPoolExecutor(
-            1, thread_name_prefix="kapc-compile", initializer=off_the_forward_cores
-        )
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kapc-compile")
         self._ctx = None  # one CompileContext: the tokenizer loads once per engine
 
     def key(self, text: bytes) -> str:
