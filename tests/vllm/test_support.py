@@ -168,3 +168,19 @@ def test_an_engine_runs_the_models_stored_dtype_where_the_cpu_can():
     assert default_dtype(True, qwen) == ("bfloat16" if cpu_has_bf16() else "float32")
     assert (bfloat16_note(qwen) is None) == cpu_has_bf16()
     assert default_dtype(False, qwen) == "auto"
+
+
+def test_a_request_ends_where_vllms_scheduler_stops_it():
+    """What ends a request, read from vLLM's own SamplingParams: its length limit, its stop
+    token ids and its EOS, which `ignore_eos` leaves out (the scheduler's `check_stop`)."""
+    from vllm import SamplingParams
+
+    from kapc.runtime.vllm.compat import request_ends
+
+    sp = SamplingParams(max_tokens=5, stop_token_ids=[9])
+    sp.update_from_generation_config({}, eos_token_id=2)
+    assert request_ends(sp, 100) == (105, frozenset({2, 9}))
+    ignoring = SamplingParams(max_tokens=5, stop_token_ids=[9], ignore_eos=True)
+    ignoring.update_from_generation_config({}, eos_token_id=2)
+    assert request_ends(ignoring, 100) == (105, frozenset({9}))
+    assert request_ends(SamplingParams(max_tokens=None), 100) == (None, frozenset())
