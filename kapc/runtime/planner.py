@@ -161,8 +161,8 @@ class StepPlanner:
         self.clock = StepClock(profile) if profile is not None and online else None
         self._pending: _PendingStep | None = None
         # whether the clock last let rows draft (the regime a step runs under, kept through the
-        # steps held for prefills and first tokens); the last call's entry, the resting step the
-        # profile prices its batch at, and the requests queued beside it
+        # steps held for prefills and first or last tokens); the last call's entry, the resting
+        # step the profile prices its batch at, and the requests queued beside it
         self._drafting_regime = False
         self._last_call: tuple[float, float, int] | None = None
 
