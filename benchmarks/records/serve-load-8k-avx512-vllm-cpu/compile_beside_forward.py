@@ -14,9 +14,9 @@ import os
 import threading
 import time
 
-MODEL = os.path.expanduser(os.environ.get("KAPC_CACHE_DIR", "~/.cache/kapc")) + (
-    "/models/smollm2-135m-instruct"
-)
+from kapc.models import ensure_model
+
+MODEL = str(ensure_model("smollm2-135m-instruct", weights=True))
 PRIOR = "examples/hotpotqa/q0000-4k.prior.json"
 
 
