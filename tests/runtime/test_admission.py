@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import re
 
 import pytest
@@ -111,6 +112,84 @@ def test_a_compile_started_early_is_booked_on_the_request_it_was_started_for(ctx
     assert not first.cached and first.seconds > 0
     again = one.compile(prior)
     assert again.cached and again.seconds == 0.0 and again.data == first.data
+
+
+def test_priors_compile_in_a_process_of_their_own_on_the_spare_cores(ctx):
+    """The compiler is Python: on a thread of the worker it would hold the interpreter lock the
+    forward needs. It runs in a child process, on the cores the worker is not bound to."""
+    cores = os.sched_getaffinity(0)
+    bound = {min(cores)}
+    os.sched_setaffinity(0, bound)  # as vLLM-CPU binds its worker's forwards
+    try:
+        one = PlanCompiler(str(ctx.assets.path), block_size=32, engine="vllm-cpu")
+        one.compile(PRIOR_700.read_text())
+    finally:
+        os.sched_setaffinity(0, cores)
+    child = one.process_id
+    assert child is not None and child != os.getpid()
+    spare = set(range(os.cpu_count() or 1)) - bound
+    assert os.sched_getaffinity(child) == (spare or bound)
+    one.close()
+    assert not psutil_alive(child)
+
+
+def test_a_compile_process_that_dies_refuses_its_prior_and_is_started_again(ctx):
+    """The child killed while it compiles (a real SIGKILL, as the out-of-memory killer would):
+    that prior fails with the reason, not a hang, and the next prior starts a new child."""
+    import fcntl
+    import signal
+    import termios
+    import time
+
+    from kapc.runtime.vllm.compile_process import CompilerFailed
+
+    one = PlanCompiler(str(ctx.assets.path), block_size=32, engine="vllm-cpu")
+    one.compile(PRIOR_700.read_text())
+    first = one.process_id
+    os.kill(first, signal.SIGSTOP)  # it cannot read the next prior until killed
+    pending = one.submit((EXAMPLES / "hotpotqa" / "q0001-700.prior.json").read_text())
+    pipe = one._process._child.stdin.fileno()
+    waiting = bytearray(4)
+    for _ in range(200):  # until the prior lies in the stopped child's pipe
+        fcntl.ioctl(pipe, termios.FIONREAD, waiting)
+        if int.from_bytes(waiting, "little"):
+            break
+        time.sleep(0.05)
+    assert int.from_bytes(waiting, "little") > 0 and not pending.done()
+    os.kill(first, signal.SIGKILL)
+    with pytest.raises(CompilerFailed, match=r"compile process exited \(code -9\)"):
+        pending.result(timeout=60)
+    again = one.compile((EXAMPLES / "hotpotqa" / "q0002-700.prior.json").read_text())
+    assert decode_plan(again.data).header.block_size == 32
+    assert one.process_id not in (None, first)
+    one.close()
+
+
+def test_a_compiler_that_cannot_start_refuses_each_prior_with_why(tmp_path):
+    from concurrent.futures import wait
+
+    from kapc.runtime.session import PlanSession
+    from kapc.runtime.vllm import admission
+
+    broken = PlanCompiler(str(tmp_path / "m"), block_size=32, engine="vllm-cpu")
+    extra = {"kapc_prior": PRIOR_700.read_text()}
+    s = PlanSession(tag="no-model")
+    admission.admit_request(s, extra, [1, 2], lambda: None, lambda: broken)
+    if s.status == "compiling":  # as the engine's next step would, once the compile is done
+        wait([s.compiling_plan], timeout=120)
+        admission.admit_request(s, extra, [1, 2], lambda: None, lambda: broken)
+    assert s.status == "refused"
+    assert "the compiler failed on it (the compiler cannot start: ModelError:" in s.reason
+    assert "not a registered model nor a directory" in s.reason
+    broken.close()
+
+
+def psutil_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def chat_ids(ctx, path) -> list[int]:

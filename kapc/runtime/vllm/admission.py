@@ -9,8 +9,10 @@ refuses the request's plan, for that request only, when it is not.
 A server sees the same prior many times (a retry, a benchmark, a frontend that caches its
 retrieval), so compiled plans are kept by the prior's content hash: a repeated prior compiles once.
 
-Compiling is off the engine's step: the compiler runs on a thread of its own, one prior at a
-time, and loads its tokenizer there when the engine starts (`warm`). The scheduler starts a
+Compiling is off the engine's step: the compiler runs in a process of its own
+(kapc.runtime.vllm.compile_process says why not a thread), one prior at a time, started with its
+tokenizer loaded when the engine starts (`warm`); a thread of the worker waits on each answer so
+the step never does. The scheduler starts a
 request's compile as the request arrives (`start_compiling`), so it runs while the prompt is
 prefilled; a request whose plan is not ready by its first decode step decodes plainly
 (`PlanSession.compiling`) and drafts from the step its plan is admitted.
@@ -25,6 +27,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +42,7 @@ from kapc.runtime.session import (
     PlanSession,
     request_options,
 )
+from kapc.runtime.vllm.compile_process import CompileProcess, CompilerFailed
 
 log = logging.getLogger("vllm.kapc")
 CACHED_PLANS = 256  # compiled plans kept per engine, least recently used dropped first
@@ -72,7 +76,7 @@ def prior_text(value) -> bytes:
 class PlanCompiler:
     """Compiles priors for one engine: its model folder, KV block size and the engine name the
     compiler finds its profile under (kapc.policy.ENGINE_BLOCK_SIZE: "vllm-cpu" or "vllm-gpu"),
-    on a thread of its own."""
+    in a process of its own that a thread of this one waits on."""
 
     def __init__(self, model: str, block_size: int, engine: str, capacity: int = CACHED_PLANS):
         self.model, self.block_size, self.engine = model, int(block_size), engine
@@ -83,15 +87,26 @@ class PlanCompiler:
         self._unclaimed: dict[str, float] = {}  # seconds of early compiles done, unclaimed
         self._lock = threading.Lock()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kapc-compile")
-        self._ctx = None  # one CompileContext: the tokenizer loads once per engine
+        self._process = CompileProcess(model, engine)
+        # the child exits with its pipe when this compiler is dropped, or with this process
+        weakref.finalize(self, self._process.close)
 
     def key(self, text: bytes) -> str:
         return hashlib.sha256(text + b"\0" + str(self.block_size).encode()).hexdigest()
 
     def warm(self) -> None:
-        """Load the compiler's tokenizer on its thread now, so the first prior compiles as fast
-        as the rest."""
-        self._thread.submit(lambda: self._context().tokenize("warm", add_special_tokens=False))
+        """Start the compile process now (it loads the compiler and the tokenizer), so the first
+        prior compiles as fast as the rest."""
+        self._thread.submit(self._process.start)
+
+    @property
+    def process_id(self) -> int | None:
+        """The compile process's pid (None before it starts)."""
+        return self._process.pid
+
+    def close(self) -> None:
+        """Stop the compile process (a later prior starts it again)."""
+        self._thread.submit(self._process.close).result()
 
     def compile(self, value) -> Compiled:
         """The plan of a prior, compiled now or taken from the cache. Raises KapcError (the prior's
@@ -123,21 +138,10 @@ class PlanCompiler:
                 self._early.discard(key)  # admission joins it: the result is its own
             return running
 
-    def _context(self):
-        from kapc.passes import CompileContext
-
-        if self._ctx is None:
-            self._ctx = CompileContext(model=self.model, engine=self.engine)
-        return self._ctx
-
     def _compile(self, text: bytes, key: str) -> Compiled:
-        from kapc.compiler import compile_to_kapb
-        from kapc.prior import decode_prior
-
         try:
             t0 = time.perf_counter()
-            prior = decode_prior(text, f"<request {PRIOR_KEY}>")
-            data = compile_to_kapb(prior, None, self._context(), block_size=self.block_size)
+            data = self._process.compile(text, self.block_size)
             seconds = time.perf_counter() - t0
             with self._lock:
                 self._plans[key] = data
@@ -258,8 +262,9 @@ def _compiled(s: PlanSession, pending: Future) -> bytes | None:
         s.refuse(f"prior refused: {exc}", exc)
         return None
     except Exception as exc:  # noqa: BLE001 - one request's prior must not stop the engine
-        log.error("kapc: compiling the prior of request %s failed: %r", s.tag, exc)
-        s.refuse(f"prior refused: the compiler failed on it ({type(exc).__name__}: {exc})")
+        why = str(exc) if isinstance(exc, CompilerFailed) else f"{type(exc).__name__}: {exc}"
+        log.error("kapc: compiling the prior of request %s failed: %s", s.tag, why)
+        s.refuse(f"prior refused: the compiler failed on it ({why})")
         return None
     s.compile_s, s.compile_cached = compiled.seconds, compiled.cached
     return compiled.data
