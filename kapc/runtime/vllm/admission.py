@@ -115,7 +115,7 @@ class PlanCompiler:
 
     def submit(self, value, early: bool = False) -> Future:
         """The plan of a prior (a Future of `Compiled`): taken from the cache, joined to the same
-        prior's compile in flight, or compiled on the compiler's thread. `early`: started as the
+        prior's compile in flight, or compiled by the compile process. `early`: started as the
         request arrives, before admission asks; the first admission that asks is given the
         compile as its own. The future raises KapcError when the prior cannot be compiled; a
         value that is no prior raises here."""

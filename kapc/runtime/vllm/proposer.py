@@ -99,7 +99,7 @@ class KapProposer:
         # reports of requests no longer in the batch, by tag; bounded (session.KEPT_FINISHED)
         self.finished: OrderedDict[str, RunReport] = OrderedDict()
         self.totals = ServedTotals()  # over every finished request, for /metrics
-        # priors' plans, compiled on a thread of their own from each request's arrival
+        # priors' plans, compiled in a process of their own from each request's arrival
         model = str(vllm_config.model_config.model)
         self._compiler = PlanCompiler(model, self.block_size, engine_kind())
         self._compiler.warm()
