@@ -15,7 +15,9 @@ equals plain vLLM's; kapc's rows also keep `hook`, what its hook counted during 
 `--servers kapc` runs kapc alone (no ratios, no comparison); `kapc-none` is kapc's server sent
 the same requests without their priors: what its engine costs when nothing drafts. Without `--warm` the first load
 also pays each prompt's first prefill (the prefix cache starts cold on both servers). Run it on a
-quiet machine: the two servers are timed one after the other.
+quiet machine: the servers are timed one after the other. `--rounds N` runs each N times, taking
+turns at going first, and ends with each ratio's median and range over the rounds: a ratio of
+one run moves by a few percent with the machine.
 
     python -m benchmarks.serve_load --requests 200 --concurrency 8,32 --rates 0.5,1
 """
@@ -355,6 +357,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="prefill every distinct prompt once (one token, no plan) before timing, "
         "so the loads measure decoding under load rather than first prefills",
     )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every server this many times, taking turns at going first (ABBA), each "
+        "ratio against plain vLLM's run of the same round; the table ends with each ratio's "
+        "median and range",
+    )
     ap.add_argument("--json", type=Path, help="write the summary rows here")
     ap.add_argument(
         "--servers",
@@ -374,6 +384,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--short-share is a share, between 0 and 1")
     if any(r <= 0 for r in args.rates):
         ap.error("--rates must be above zero")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if args.concurrency is None:
         args.concurrency = [] if args.rates else [8, 32]
     return args
@@ -381,8 +393,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from kapc.runtime.vllm.serve import free_port, running, server_command
-
     _log(f"building {len(args.contexts) * args.questions} priors")
     pool = build_priors(
         args.contexts, args.questions, args.first, args.max_tokens, args.model, args.shared_document
@@ -391,89 +401,161 @@ def main(argv=None) -> int:
     loads = [("concurrency", float(c)) for c in args.concurrency]
     loads += [("rate", r) for r in args.rates]
     slo = (args.slo_ttft, args.slo_tpot)
-    max_len = max(args.contexts) + 64
-    rows, reference = [], {}
+    rows: list[dict] = []
+    outputs: dict[tuple[str, str, int], list[dict]] = {}  # (server, load, round): results
     logs = Path(tempfile.mkdtemp(prefix="kapc-serve-load-"))
-    chosen = [x for x in args.servers.split(",") if x]
-    for name, (hook, priors) in [(n, SERVERS[n]) for n in SERVERS if n in chosen]:
-        port = free_port()
-        cmd = server_command(
-            args.model,
-            port=port,
-            hook=hook,
-            max_model_len=max(max_len, 4608),
-            extra=["--max-num-seqs", str(args.max_num_seqs), *shlex.split(args.engine_args)],
-        )
-        t0 = time.perf_counter()
-        with running(cmd.argv, cmd.url, logs / f"{name}.log"):
-            _log(f"[{name}] up in {time.perf_counter() - t0:.0f}s (log {logs / f'{name}.log'})")
-            if args.warm:
-                t0 = time.perf_counter()
-                warm = pool + [short_chat(j) for j in pool] if args.short_share else pool
-                if args.shared_document:  # each document alone first, then from the cache
-                    docs = [next(j for j in pool if j["context"] == c) for c in args.contexts]
-                    run_phase(cmd.url, docs, ("concurrency", 1), 1, False, f"{name}-doc")
-                run_phase(cmd.url, warm, ("concurrency", 8), 1, False, f"{name}-warm")
-                _log(f"[{name}] {len(warm)} prompts prefilled in {time.perf_counter() - t0:.0f}s")
-            for n, load in enumerate(loads):
-                label = f"{name}-l{n}"
-                before = _hook_totals(cmd.url) if hook else None
-                results, wall = run_phase(
-                    cmd.url, jobs, load, args.max_tokens, priors, label, seed=args.seed
-                )
-                stats = None
-                if priors:
-                    from kapc.client import server_stats
-
-                    everything = server_stats(cmd.url)["requests"]
-                    stats = {t: s for t, s in everything.items() if t.startswith(label + "-")}
-                row = summarize(name, load, results, wall, stats, reference.get(load), slo)
-                if args.engine_args:
-                    row["engine_args"] = args.engine_args
-                if hook:
-                    row["hook"] = hook_delta(before, _hook_totals(cmd.url))
-                if not hook:
-                    reference[load] = results
+    chosen = [n for n in SERVERS if n in args.servers.split(",")]
+    for rnd in range(args.rounds):
+        # ABBA: the servers take turns going first, so a drift of the machine over the run
+        # (another tenant, the clock) weighs on each alike
+        for name in chosen if rnd % 2 == 0 else chosen[::-1]:
+            for row, results in serve_loads(name, rnd, args, pool, jobs, loads, logs, slo):
+                outputs[(name, row["load"], rnd)] = results
                 rows.append(row)
-                _log(
-                    f"[{name}] {row['load']}: "
-                    + json.dumps(
-                        {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}
-                    )
-                )
+    compare_outputs(rows, outputs)
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
 
 
+def compare_outputs(rows: list[dict], outputs: dict[tuple[str, str, int], list[dict]]) -> None:
+    """Set each non-plain row's `changed`: how many of its requests failed or differ from plain
+    vLLM's output for the same load (its first run, whichever round ran it; rows with no plain
+    run of their load get none). `outputs`: per (server, load, round), the per-request results."""
+    for row in rows:
+        reference = next(
+            (v for (n, ld, _), v in sorted(outputs.items()) if n == "vllm" and ld == row["load"]),
+            None,
+        )
+        if reference is not None and row["server"] != "vllm":
+            results = outputs[(row["server"], row["load"], row.get("round", 0))]
+            row["changed"] = sum(
+                1
+                for r, ref in zip(results, reference)
+                if "error" in r or r.get("text") != ref.get("text")
+            )
+
+
+def serve_loads(name, rnd, args, pool, jobs, loads, logs, slo):
+    """Start server `name` (a SERVERS key), prefill with `--warm`, and run each load; yields
+    (summary row, per-request results) per load."""
+    from kapc.client import server_stats
+    from kapc.runtime.vllm.serve import free_port, running, server_command
+
+    hook, priors = SERVERS[name]
+    cmd = server_command(
+        args.model,
+        port=free_port(),
+        hook=hook,
+        max_model_len=max(max(args.contexts) + 64, 4608),
+        extra=["--max-num-seqs", str(args.max_num_seqs), *shlex.split(args.engine_args)],
+    )
+    tag = f"{name}-r{rnd}" if args.rounds > 1 else name
+    t0 = time.perf_counter()
+    with running(cmd.argv, cmd.url, logs / f"{tag}.log"):
+        _log(f"[{tag}] up in {time.perf_counter() - t0:.0f}s (log {logs / f'{tag}.log'})")
+        if args.warm:
+            t0 = time.perf_counter()
+            warm = pool + [short_chat(j) for j in pool] if args.short_share else pool
+            if args.shared_document:  # each document alone first, then from the cache
+                docs = [next(j for j in pool if j["context"] == c) for c in args.contexts]
+                run_phase(cmd.url, docs, ("concurrency", 1), 1, False, f"{tag}-doc")
+            run_phase(cmd.url, warm, ("concurrency", 8), 1, False, f"{tag}-warm")
+            _log(f"[{tag}] {len(warm)} prompts prefilled in {time.perf_counter() - t0:.0f}s")
+        for n, load in enumerate(loads):
+            label = f"{tag}-l{n}"
+            before = _hook_totals(cmd.url) if hook else None
+            results, wall = run_phase(
+                cmd.url, jobs, load, args.max_tokens, priors, label, seed=args.seed
+            )
+            stats = None
+            if priors:
+                everything = server_stats(cmd.url)["requests"]
+                stats = {t: s for t, s in everything.items() if t.startswith(label + "-")}
+            row = summarize(name, load, results, wall, stats, None, slo)
+            row["round"] = rnd
+            if args.engine_args:
+                row["engine_args"] = args.engine_args
+            if hook:
+                row["hook"] = hook_delta(before, _hook_totals(cmd.url))
+            _log(
+                f"[{tag}] {row['load']}: "
+                + json.dumps(
+                    {
+                        k: (round(v, 3) if isinstance(v, float) else v)
+                        for k, v in row.items()
+                        if k != "per_request"
+                    }
+                )
+            )
+            yield row, results
+
+
+def ratios(rows: list[dict]) -> dict[int, dict]:
+    """Each row's output throughput and TTFT p50 / p90 over plain vLLM's in the same load and
+    round, by the row's index (rows without a plain vLLM run beside them have none)."""
+    base = {(r["load"], r.get("round", 0)): r for r in rows if r["server"] == "vllm"}
+    out = {}
+    for i, r in enumerate(rows):
+        b = base.get((r["load"], r.get("round", 0)))
+        if b is not None:
+            out[i] = {
+                "tok_s": r["out_tok_s"] / b["out_tok_s"],
+                **{q: _over(r[q], b[q]) for q in ("ttft_p50", "ttft_p90")},
+            }
+    return out
+
+
+def _over(a, b):
+    return None if a is None or not b else a / b
+
+
 def print_table(rows: list[dict]) -> None:
-    base = {r["load"]: r for r in rows if r["server"] == "vllm"}
+    rel = ratios(rows)
     print(
-        "| server | load | requests | lost | changed | out tok/s | ratio | goodput req/s | "
+        "| server | load | round | requests | lost | changed | out tok/s | ratio | goodput req/s | "
         "TTFT p50 / p90 / p99 s | TPOT p50 / p90 s | ITL p90 s | latency p50 / p90 s | "
         "plan / fallback / refused | acceptance |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     f = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     g = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-    for r in rows:
-        b = base.get(r["load"])
-        ratio = r["out_tok_s"] / b["out_tok_s"] if b else None
+    for i, r in enumerate(rows):
+        ratio = rel.get(i, {}).get("tok_s")
         shares = (
             "-"
             if "share_plan" not in r
             else f"{r['share_plan']:.0%} / {r['share_fallback']:.0%} / {r['share_refused']:.0%}"
         )
         print(
-            f"| {r['server']} | {r['load']} | {r['requests']} | {r['lost']} | "
-            f"{r.get('changed', '-')} | {r['out_tok_s']:.1f} | {f(ratio)}x | "
+            f"| {r['server']} | {r['load']} | {r.get('round', 0)} | {r['requests']} | "
+            f"{r['lost']} | {r.get('changed', '-')} | {r['out_tok_s']:.1f} | {f(ratio)}x | "
             f"{g(r['goodput_req_s'])} | "
             f"{f(r['ttft_p50'])} / {f(r['ttft_p90'])} / {f(r['ttft_p99'])} | "
             f"{g(r['tpot_p50'])} / {g(r['tpot_p90'])} | {g(r['itl_p90'])} | "
             f"{f(r['latency_p50'])} / {f(r['latency_p90'])} | {shares} | "
             f"{f(r.get('acceptance'))} |"
         )
+    if len({r.get("round", 0) for r in rows}) > 1:
+        print_rounds(rows, rel)
+
+
+def print_rounds(rows: list[dict], rel: dict[int, dict]) -> None:
+    """Per server and load, each ratio to plain vLLM's over the rounds: median (least-most)."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for i, r in enumerate(rows):
+        if r["server"] != "vllm" and i in rel:
+            groups.setdefault((r["server"], r["load"]), []).append(rel[i])
+    print()
+    print("| server | load | rounds | throughput ratio | TTFT p50 ratio | TTFT p90 ratio |")
+    print("|---|---|---|---|---|---|")
+    for (server, load), got in groups.items():
+        cells = []
+        for q in ("tok_s", "ttft_p50", "ttft_p90"):
+            v = [x[q] for x in got if x[q] is not None]
+            cells.append(f"{np.median(v):.2f}x ({min(v):.2f}-{max(v):.2f})" if v else "-")
+        print(f"| {server} | {load} | {len(got)} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":

@@ -82,3 +82,32 @@ def test_the_load_benchmark_refuses_a_server_it_does_not_know():
     # kapc's server without priors, and more vLLM arguments for every server
     args = parse_args(["--servers", "vllm,kapc-none", "--engine-args=--no-async-scheduling"])
     assert args.servers == "vllm,kapc-none" and args.engine_args == "--no-async-scheduling"
+
+
+def test_rounds_pair_each_run_with_plain_vllms_of_its_round():
+    """`--rounds`: every server runs once a round, the order turning each round; a ratio is
+    taken against plain vLLM's run of the same round, and outputs are compared against plain
+    vLLM's even where kapc ran first."""
+    from benchmarks.serve_load import compare_outputs, parse_args, ratios
+
+    assert parse_args(["--rounds", "3"]).rounds == 3
+    with pytest.raises(SystemExit):
+        parse_args(["--rounds", "0"])
+
+    def row(server, rnd, tok_s, ttft):
+        return {"server": server, "load": "concurrency 8", "round": rnd, "out_tok_s": tok_s} | {
+            "ttft_p50": ttft,
+            "ttft_p90": 2 * ttft,
+        }
+
+    # round 1 ran kapc first: its ratio is still against round 1's plain run
+    rows = [row("vllm", 0, 10.0, 1.0), row("kapc", 0, 12.0, 1.1)]
+    rows += [row("kapc", 1, 9.0, 0.5), row("vllm", 1, 9.0, 1.0)]
+    rel = ratios(rows)
+    assert rel[1]["tok_s"] == pytest.approx(1.2) and rel[1]["ttft_p90"] == pytest.approx(1.1)
+    assert rel[2]["tok_s"] == pytest.approx(1.0) and rel[2]["ttft_p50"] == pytest.approx(0.5)
+    same, other = [{"text": "a"}, {"text": "b"}], [{"text": "a"}, {"text": "c"}]
+    outputs = {("vllm", "concurrency 8", 0): same, ("vllm", "concurrency 8", 1): same}
+    outputs |= {("kapc", "concurrency 8", 0): same, ("kapc", "concurrency 8", 1): other}
+    compare_outputs(rows, outputs)
+    assert [r.get("changed") for r in rows] == [None, 0, 1, None]
