@@ -46,3 +46,25 @@ def test_shapes_round_up_to_a_power_of_two_of_kv_tokens():
     assert forward_shape(1, 7, 8128) == (1, 65536)
     assert forward_shape(1, 4, 8128) == (1, 32768)
     assert forward_shape(2, 4, 8128) == (2, 32768)
+
+
+def test_a_choice_is_tried_again_and_decided_on_every_trial_so_far():
+    """A first trial that favoured the engine by a little is tried again after `retry_every`
+    forwards of its shape; kapc's kernel, clearly faster in the second trial, wins on the
+    two trials' sums, and the shape's forwards run it from then on."""
+    trials = KernelTrials(trials=2, retry_every=5)
+    shape = forward_shape(1, 32, 3072)
+    for _ in range(3):
+        run_step(trials, shape, 30, kapc_s=0.0105, engine_s=0.0100)
+    assert not trials.trying(shape) and trials.summary()["q1 kv131072"] == "engine 0.95x"
+    decided = 0
+    while (used := run_step(trials, shape, 30, kapc_s=0.006, engine_s=0.010)) == [False] * 30:
+        decided += 1  # every layer on the engine's kernel, until the retry is due
+        assert decided <= 5
+    assert decided == 5
+    while trials.trying(shape):
+        assert used == [layer % 2 == 0 for layer in range(30)]  # split again
+        used = run_step(trials, shape, 30, kapc_s=0.006, engine_s=0.010)
+    assert used == [True] * 30
+    # on both trials' calls: kapc (0.0105 + 0.006) / 2 against the engine's 0.0100
+    assert trials.summary()["q1 kv131072"] == "kapc 1.21x"

@@ -7,7 +7,13 @@ query tokens it ran 2.0x (`python -m benchmarks.vllm_attention`). So each shape 
 tokens per row, and the KV tokens it reads rounded up to a power of two) is tried: in its first
 `trials` forwards even layers run kapc's kernel and odd layers the engine's, each call timed, so
 both read the same step's rows at the same moment; from then on the kernel with the lower mean
-time per call runs every layer of that shape. Pure bookkeeping: the caller times the calls.
+time per call runs every layer of that shape. A choice is tried again every `retry_every`
+forwards of its shape, and decided on every trial of the shape so far: a shape's bucket holds
+batches of different makeups (a 4K row beside short chats, or every row 4K), and the few forwards
+of one trial are a small sample of them: two servers started alike under the same load chose
+opposite kernels for one shape at their first trial (kapc at 0.88x and at 1.10x the engine's), and
+a choice once made held for the server's life.
+Pure bookkeeping: the caller times the calls.
 """
 
 from __future__ import annotations
@@ -34,6 +40,15 @@ class _Trial:
     engine_calls: int = 0
     steps: int = 0
 
+    def plus(self, other: _Trial) -> _Trial:
+        return _Trial(
+            self.kapc_s + other.kapc_s,
+            self.kapc_calls + other.kapc_calls,
+            self.engine_s + other.engine_s,
+            self.engine_calls + other.engine_calls,
+            self.steps + other.steps,
+        )
+
 
 @dataclass
 class KernelTrials:
@@ -41,17 +56,25 @@ class KernelTrials:
     (`timed`) until `trials` steps of that shape have been split between the kernels."""
 
     trials: int = 4
+    retry_every: int = 256  # forwards of a decided shape before it is tried again
     _open: dict[tuple[int, int], _Trial] = field(default_factory=dict)
+    _tried: dict[tuple[int, int], _Trial] = field(default_factory=dict)  # every trial, summed
+    _since: dict[tuple[int, int], int] = field(default_factory=dict)  # forwards since decided
     # shape: kapc's mean seconds per call over the engine's, once chosen (at most 1: kapc's)
     ratios: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def use_kapc(self, shape: tuple[int, int], layer: int) -> bool:
         """Whether `layer`'s forward of `shape` runs kapc's kernel. Layer 0 starts a step."""
-        ratio = self.ratios.get(shape)
-        if ratio is not None:
-            return ratio <= 1.0
         if shape[1] < TRIAL_FROM_TOKENS:
             return True
+        ratio = self.ratios.get(shape)
+        if ratio is not None and shape not in self._open:
+            if layer == 0:
+                self._since[shape] = self._since.get(shape, 0) + 1
+                if self._since[shape] > self.retry_every:
+                    self._open[shape] = _Trial()
+                    return self.use_kapc(shape, layer)
+            return ratio <= 1.0
         trial = self._open.setdefault(shape, _Trial())
         if layer == 0:
             trial.steps += 1
@@ -77,8 +100,9 @@ class KernelTrials:
 
     def _choose(self, shape, trial: _Trial) -> bool:
         del self._open[shape]
-        ratio = (trial.kapc_s / trial.kapc_calls) / max(1e-12, trial.engine_s / trial.engine_calls)
-        self.ratios[shape] = ratio
+        t = self._tried[shape] = self._tried.get(shape, _Trial()).plus(trial)
+        ratio = (t.kapc_s / t.kapc_calls) / max(1e-12, t.engine_s / t.engine_calls)
+        self.ratios[shape], self._since[shape] = ratio, 0
         return ratio <= 1.0
 
     def summary(self) -> dict[str, str]:
