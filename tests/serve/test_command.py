@@ -86,3 +86,37 @@ def test_the_documented_server_command_is_the_one_kapc_serve_runs():
             assert word in cmd.argv, f"{word} is documented but kapc serve does not set it"
             assert _opt(cmd.argv, word) == words[i + 1], word
     assert "--enforce-eager" in words and "--enforce-eager" in cmd.argv
+
+
+def test_kapcs_routes_are_an_asgi_class_that_passes_other_requests_through():
+    """vLLM adds a `--middleware` class with `add_middleware`, and wraps a function as
+    Starlette's BaseHTTPMiddleware, which relays every streamed chunk of every response through
+    a task of its own. kapc's routes are a class: a streamed response reaches the client as its
+    endpoint sent it, and `/kapc/stats` of an app with no engine says why it cannot answer."""
+    import importlib
+    import inspect
+
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+    from fastapi.testclient import TestClient
+
+    module, name = MIDDLEWARE.rsplit(".", 1)
+    routes = getattr(importlib.import_module(module), name)
+    assert inspect.isclass(routes)
+    app = FastAPI()
+
+    @app.get("/v1/stream")
+    async def stream():
+        async def chunks():
+            for i in range(3):
+                yield f"data: {i}\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    app.add_middleware(routes)
+    with TestClient(app) as client:
+        with client.stream("GET", "/v1/stream") as r:
+            assert list(r.iter_text()) == [f"data: {i}\n\n" for i in range(3)]
+        down = client.get("/kapc/stats")
+        assert down.status_code == 503 and "the workers did not report" in down.json()["error"]
+        assert client.post("/kapc/stats").status_code == 405

@@ -5,8 +5,8 @@ extension, and one route of kapc's own.
   by name and a block size the engine supports; every option kapc does not set passes through.
 - `GET /kapc/stats` (everything the hook reports) and `GET /kapc/stats/<tag>` (one request's
   figures: status, reason, plan source, compile time, proposed, accepted, s) are served by
-  `stats_middleware`, which vLLM loads through its own `--middleware` option: no fork. It also
-  adds kapc's counters (`kapc_*`, `kapc_metrics`) to vLLM's Prometheus `GET /metrics`.
+  `KapcRoutes`, an ASGI middleware vLLM loads through its own `--middleware` option: no fork.
+  It also adds kapc's counters (`kapc_*`, `kapc_metrics`) to vLLM's Prometheus `GET /metrics`.
 - Each finished request with a plan is also logged by the worker (`kapc request <tag>: ...`).
 """
 
@@ -31,7 +31,7 @@ from kapc.policy import MAX_AUTO_K
 STATS_PATH = "/kapc/stats"
 METRICS_PATH = "/metrics"  # vLLM's Prometheus endpoint; kapc's counters are added to it
 CPU_KV_CACHE_GIB = 4.0  # SmolLM2-135M in fp32: 93K tokens, 22 requests of 4K at once
-MIDDLEWARE = "kapc.runtime.vllm.serve.stats_middleware"
+MIDDLEWARE = "kapc.runtime.vllm.serve.KapcRoutes"
 
 
 class ServeError(KapcError):
@@ -297,20 +297,70 @@ def serve(cmd: ServerCommand, echo=print) -> int:
 # ---- inside the server -----------------------------------------------------------------------
 
 
-async def stats_middleware(request, call_next):
+class KapcRoutes:
     """`GET /kapc/stats[/<tag>]`, answered from the workers' `kapc_stats`; `GET /metrics` gets
-    kapc's counters after vLLM's own; every other request passes through untouched."""
-    path = request.url.path
-    if path == METRICS_PATH and request.method == "GET":
-        return await _with_kapc_metrics(request, await call_next(request))
-    if not (path == STATS_PATH or path.startswith(STATS_PATH + "/")):
-        return await call_next(request)
+    kapc's counters after vLLM's own; every other request goes to vLLM's app with its own
+    `receive` and `send`, untouched.
+
+    A plain ASGI class, not a function: vLLM installs a function as Starlette's
+    BaseHTTPMiddleware, which relays every chunk of every response, each streamed token of
+    every request included, through a stream and a task of its own, in the API server process
+    that shares its core with the engine's scheduler on vLLM-CPU."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path == METRICS_PATH and scope["method"] == "GET":
+            return await self._metrics(scope, receive, send)
+        if path == STATS_PATH or path.startswith(STATS_PATH + "/"):
+            from starlette.requests import Request
+
+            response = await _stats_response(Request(scope, receive))
+            return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    async def _metrics(self, scope, receive, send):
+        """vLLM's /metrics with kapc's counters after it (unchanged if the workers do not
+        answer, or the engine runs without kapc's hook); asked uncompressed, to append to."""
+        from kapc.runtime.vllm.compat import server_engine_client
+
+        plain = [(k, v) for k, v in scope["headers"] if k.lower() != b"accept-encoding"]
+        start: dict = {}
+        body: list[bytes] = []
+
+        async def keep(message):
+            if message["type"] == "http.response.start":
+                start.update(message)
+            elif message["type"] == "http.response.body":
+                body.append(message.get("body", b""))
+
+        await self.app({**scope, "headers": plain}, receive, keep)
+        data = b"".join(body)
+        try:
+            results = await server_engine_client(scope["app"]).collective_rpc("kapc_metrics")
+            data += kapc_metrics(results[0])
+        except Exception:  # noqa: BLE001, S110 - vLLM's own metrics still answer
+            pass
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(data)).encode()))
+        await send(
+            {"type": "http.response.start", "status": start.get("status", 200), "headers": headers}
+        )
+        await send({"type": "http.response.body", "body": data})
+
+
+async def _stats_response(request):
+    """The JSON answer to `GET /kapc/stats[/<tag>]` (405 for other methods, 404 for a tag not
+    seen, 503 when the workers do not answer)."""
     from urllib.parse import unquote
 
     from fastapi.responses import JSONResponse
 
     from kapc.runtime.vllm.compat import server_engine_client
 
+    path = request.url.path
     if request.method != "GET":
         return JSONResponse({"error": f"{path} answers GET only"}, status_code=405)
     tag = unquote(path[len(STATS_PATH) :].strip("/")) or None
@@ -402,20 +452,3 @@ def kapc_metrics(totals: dict) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Collector())
     return generate_latest(registry)
-
-
-async def _with_kapc_metrics(request, response):
-    """vLLM's /metrics response with kapc's counters after it (unchanged if the workers do not
-    answer, or the engine runs without kapc's hook)."""
-    from fastapi.responses import Response
-
-    from kapc.runtime.vllm.compat import server_engine_client
-
-    body = b"".join([chunk async for chunk in response.body_iterator])
-    try:
-        results = await server_engine_client(request.app).collective_rpc("kapc_metrics")
-        body += kapc_metrics(results[0])
-    except Exception:  # noqa: BLE001, S110 - vLLM's own metrics still answer
-        pass
-    headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
-    return Response(body, status_code=response.status_code, headers=headers)
