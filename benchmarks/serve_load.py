@@ -200,7 +200,6 @@ def summarize(
     results: list[dict],
     wall: float,
     stats: dict | None,
-    reference: list[dict] | None,
     slo: tuple[float, float] = (2.0, 0.2),
 ) -> dict:
     ok = [r for r in results if "error" not in r]
@@ -231,12 +230,6 @@ def summarize(
         "itl_p90": _pct(itl, 90),
         "itl_p99": _pct(itl, 99),
     }
-    if reference is not None:
-        row["changed"] = sum(
-            1
-            for r, ref in zip(results, reference)
-            if "error" in r or r.get("text") != ref.get("text")
-        )
     if stats is not None:
         reqs = list(stats.values())
         for status in ("plan", "fallback", "refused"):
@@ -423,11 +416,12 @@ def compare_outputs(rows: list[dict], outputs: dict[tuple[str, str, int], list[d
     """Set each non-plain row's `changed`: how many of its requests failed or differ from plain
     vLLM's output for the same load (its first run, whichever round ran it; rows with no plain
     run of their load get none). `outputs`: per (server, load, round), the per-request results."""
+    plain: dict[str, list[dict]] = {}  # per load, plain vLLM's results of its earliest round
+    for (server, load, _), results in sorted(outputs.items()):
+        if server == "vllm":
+            plain.setdefault(load, results)
     for row in rows:
-        reference = next(
-            (v for (n, ld, _), v in sorted(outputs.items()) if n == "vllm" and ld == row["load"]),
-            None,
-        )
+        reference = plain.get(row["load"])
         if reference is not None and row["server"] != "vllm":
             results = outputs[(row["server"], row["load"], row.get("round", 0))]
             row["changed"] = sum(
@@ -473,7 +467,7 @@ def serve_loads(name, rnd, args, pool, jobs, loads, logs, slo):
             if priors:
                 everything = server_stats(cmd.url)["requests"]
                 stats = {t: s for t, s in everything.items() if t.startswith(label + "-")}
-            row = summarize(name, load, results, wall, stats, None, slo)
+            row = summarize(name, load, results, wall, stats, slo)
             row["round"] = rnd
             if args.engine_args:
                 row["engine_args"] = args.engine_args
