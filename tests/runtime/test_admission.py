@@ -295,3 +295,36 @@ def test_a_long_running_server_remembers_the_newest_requests_only():
     assert list(finished) == ["r2", "r3", "r4"]
     remember(finished, "r2", {"i": 9}, keep=3)  # a reused tag is the newest
     assert list(finished) == ["r3", "r4", "r2"] and finished["r2"] == {"i": 9}
+
+
+def test_what_the_compiler_prints_does_not_break_the_compile_processs_answers(ctx):
+    """Frames leave the compile process on a descriptor of their own: a compiler (or a library
+    under it) that prints to stdout writes to the engine's log, not into an answer. Nothing in
+    kapc prints there today, so the child here runs a compiler wrapped to print first."""
+    import subprocess
+    import sys
+
+    from kapc.runtime.vllm.compile_process import Answer, Ask, _read, _write
+
+    chatty = (
+        "import kapc.compiler as c; f = c.compile_to_kapb; "
+        "c.compile_to_kapb = lambda *a, **k: (print('chatter'), f(*a, **k))[1]; "
+        "from kapc.runtime.vllm.compile_process import main; "
+        f"main([{str(ctx.assets.path)!r}, 'vllm-cpu'])"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", chatty],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        _write(child.stdin, Ask(prior=PRIOR_700.read_bytes(), block_size=32))
+        answer = _read(child.stdout, Answer)
+    finally:
+        child.stdin.close()
+        err = child.stderr.read().decode()
+        child.wait(timeout=60)
+    assert answer is not None and not answer.error
+    assert decode_plan(answer.plan).header.block_size == 32
+    assert "chatter" in err

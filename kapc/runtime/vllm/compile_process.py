@@ -27,6 +27,7 @@ import msgspec
 from kapc.errors import KapcError
 
 _LENGTH = struct.Struct("<I")
+_MAX_FRAME = 1 << 30  # a frame claiming more is not one (a plan at 128K tokens is a few MB)
 
 
 class Ask(msgspec.Struct, frozen=True):
@@ -56,6 +57,8 @@ def _read(stream, kind):
     if len(head) < _LENGTH.size:
         return None
     (length,) = _LENGTH.unpack(head)
+    if length > _MAX_FRAME:
+        raise msgspec.DecodeError(f"a frame of {length} bytes: the stream is out of step")
     body = stream.read(length)
     if len(body) < length:
         return None
@@ -96,11 +99,15 @@ class CompileProcess:
         try:
             _write(child.stdin, Ask(prior=prior, block_size=block_size))
             answer = _read(child.stdout, Answer)
-        except (BrokenPipeError, OSError):
+        except (OSError, msgspec.DecodeError):  # gone, or its frames no longer line up
             answer = None
         if answer is None:
-            code = child.wait()
-            raise CompilerFailed(f"the compile process exited (code {code}) while compiling it")
+            if child.poll() is None:  # alive, but its answer cannot be read: start afresh
+                self.close()
+                raise CompilerFailed("the compile process's answer could not be read")
+            raise CompilerFailed(
+                f"the compile process exited (code {child.returncode}) while compiling it"
+            )
         if answer.error:
             raise (KapcError if answer.kapc_error else CompilerFailed)(answer.error)
         return answer.plan
@@ -161,8 +168,12 @@ def serve(model: str, engine: str, stdin, stdout) -> None:
 
 def main(argv: list[str]) -> None:
     _spare_cores()
+    # frames go out on a descriptor of their own; anything the compiler or a library prints
+    # goes to stderr (the engine's log), where it cannot break a frame
+    frames = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     try:
-        serve(argv[0], argv[1], sys.stdin.buffer, sys.stdout.buffer)
+        serve(argv[0], argv[1], sys.stdin.buffer, frames)
     except (BrokenPipeError, KeyboardInterrupt):  # the worker went away
         pass
 
