@@ -4,6 +4,11 @@ work for as many tokens: where a verification step's time goes.
 
     python -m benchmarks.vllm_attention                       # SmolLM2 shapes, 8 rows of 7936 tokens
     python -m benchmarks.vllm_attention --batch 4 --context 4096 --queries 1,2,5
+    python -m benchmarks.vllm_attention --batch 32 --context 3072 --queries 1 --sharing 4
+
+`--sharing N` gives every N rows one prompt's blocks (rows r, r + B/N, ... read the same ones),
+as a server's prefix cache does when several requests carry the same prompt: then a kernel that
+reads the rows sharing a block one after another finds it in the CPU's caches.
 
 Times are for every layer of the model (one engine step's worth), the best of --repeat runs, on
 random K/V and queries (attention's cost does not depend on the values); each layer reads its own
@@ -48,9 +53,14 @@ def main(argv=None) -> int:
         default=True,
         help="the scheduler's KV split for one-token rows (VLLM_CPU_ATTN_SPLIT_KV)",
     )
+    ap.add_argument(
+        "--sharing", type=int, default=1, help="rows reading each prompt's blocks (see above)"
+    )
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
+    if args.sharing < 1 or args.batch % args.sharing:
+        ap.error("--sharing must divide --batch")
 
     import torch
     from vllm import _custom_ops as ops
@@ -66,13 +76,15 @@ def main(argv=None) -> int:
     hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     layers, B, L, bs = cfg["num_hidden_layers"], args.batch, args.context, args.block_size
     per_row = -(-L // bs)
+    prompts = B // args.sharing
     # the backend's cache layout: [blocks, kv heads, 2 * block size, head dim], keys then values
     # one cache per layer, in vLLM-CPU's layout [blocks, kv heads, block size, 2 * head dim] (viewed
     # by its kernel as [blocks, kv heads, 2 * block size, head dim]: keys, then values); each row's
     # blocks scattered over the pool, as a serving engine's are
-    caches = [torch.randn(B * per_row, KVH, bs, 2 * D) for _ in range(layers)]
-    views = [c.view(B * per_row, KVH, 2 * bs, D).chunk(2, dim=2) for c in caches]
-    table = torch.randperm(B * per_row).to(torch.int32).view(B, per_row).contiguous()
+    caches = [torch.randn(prompts * per_row, KVH, bs, 2 * D) for _ in range(layers)]
+    views = [c.view(prompts * per_row, KVH, 2 * bs, D).chunk(2, dim=2) for c in caches]
+    table = torch.randperm(prompts * per_row).to(torch.int32).view(prompts, per_row)
+    table = table.repeat(args.sharing, 1).contiguous()
     weights = [
         torch.randn(hidden, (H + 2 * KVH) * D),
         torch.randn(H * D, hidden),
@@ -82,7 +94,8 @@ def main(argv=None) -> int:
     head = torch.randn(hidden, vocab)
     print(
         f"{cfg.get('_name_or_path', 'model')}: {layers} layers, {H} query / {KVH} KV heads of "
-        f"{D}; batch {B} x {L} context tokens, block {bs}, split-KV {args.split_kv}, "
+        f"{D}; batch {B} x {L} context tokens ({prompts} prompts), block {bs}, "
+        f"split-KV {args.split_kv}, "
         f"{torch.get_num_threads()} threads"
     )
     print(

@@ -12,21 +12,26 @@ from kapc.runtime import kernels
 from kapc.runtime.kernels import KernelUnavailable, paged_attention
 
 
-def make_cache(rows_tokens, kv_heads, head_dim, block_size, seed=0):
+def make_cache(rows_tokens, kv_heads, head_dim, block_size, seed=0, shares=None):
     """A vLLM-CPU layer cache [blocks, kv_heads, block_size, 2 * head_dim] holding each row's keys
     and values in shuffled blocks, the block table that finds them, and the plain [tokens,
-    kv_heads, head_dim] keys and values of every row."""
+    kv_heads, head_dim] keys and values of every row. `shares` maps a row to (another row, n):
+    its first n blocks are that row's, as a prefix cache shares a common prompt's."""
     g = torch.Generator().manual_seed(seed)
     per_row = [-(-n // block_size) for n in rows_tokens]
     total = sum(per_row) + 3  # spare blocks the table never names
     cache = torch.randn(total, kv_heads, block_size, 2 * head_dim, generator=g)
     order = torch.randperm(total, generator=g)
     table = torch.full((len(rows_tokens), max(per_row) + 2), -1, dtype=torch.int32)
-    plain, used = [], 0
-    for r, (n, nb) in enumerate(zip(rows_tokens, per_row)):
-        blocks = order[used : used + nb]
+    used = 0
+    for r, nb in enumerate(per_row):
+        table[r, :nb] = order[used : used + nb].to(torch.int32)
         used += nb
-        table[r, :nb] = blocks.to(torch.int32)
+    for r, (source, n) in (shares or {}).items():
+        table[r, :n] = table[source, :n]
+    plain = []
+    for r, (n, nb) in enumerate(zip(rows_tokens, per_row)):
+        blocks = table[r, :nb].long()
         # keys are head-dim-major per block ([head_dim, block_size]), values token-major
         keys = cache[blocks, :, :, :].reshape(nb, kv_heads, 2 * block_size * head_dim)
         k = keys[:, :, : block_size * head_dim].reshape(nb, kv_heads, head_dim, block_size)
@@ -52,9 +57,17 @@ def reference(query, qsl, seq_lens, plain, heads, kv_heads, scale):
 
 
 def run_case(
-    rows_tokens, queries, heads=9, kv_heads=3, head_dim=64, block_size=32, seed=0, strided=False
+    rows_tokens,
+    queries,
+    heads=9,
+    kv_heads=3,
+    head_dim=64,
+    block_size=32,
+    seed=0,
+    strided=False,
+    shares=None,
 ):
-    cache, table, plain = make_cache(rows_tokens, kv_heads, head_dim, block_size, seed)
+    cache, table, plain = make_cache(rows_tokens, kv_heads, head_dim, block_size, seed, shares)
     qsl = torch.tensor([0] + list(torch.tensor(queries).cumsum(0)), dtype=torch.int32)
     seq_lens = torch.tensor(rows_tokens, dtype=torch.int32)
     tokens = int(qsl[-1])
@@ -97,6 +110,19 @@ def test_one_row_per_thread_split_over_keys_agrees_with_unsplit():
     # a single long row is split over its keys across threads; the combined result must equal
     # the written-out attention as closely as many short rows do
     out, want = run_case([4000], [5], seed=3)
+    assert (out.double() - want).abs().max().item() < 2e-5
+
+
+def test_rows_sharing_a_prompts_blocks_match_attention_written_out():
+    # the kernel runs items reading the same blocks one after another: rows with one prompt
+    # (rows 0, 2 and 4), a row sharing only a prefix (row 3), long enough to be split over keys,
+    # decode and verification rows, and a row sharing nothing (row 1)
+    out, want = run_case(
+        [3000, 700, 3000, 2900, 3000],
+        [1, 2, 5, 1, 1],
+        shares={2: (0, 94), 4: (0, 94), 3: (0, 40)},
+        strided=True,
+    )
     assert (out.double() - want).abs().max().item() < 2e-5
 
 

@@ -19,6 +19,7 @@
 // Compiled at first use for this machine (`-march=native`) with HD and BS fixed at compile time;
 // kapc/runtime/kernels/__init__.py builds, caches and calls it.
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -217,8 +218,47 @@ int kapc_paged_attention(const float* query, int64_t q_token_stride, int64_t q_h
       }
   }
 
+  // Rows whose prompts share a prefix (a server's prefix cache) read the same blocks: each item
+  // runs right after the first item reading the same blocks for the same KV head and query tile,
+  // so what that item read is still in the CPU's caches. Rows that share nothing keep their
+  // order, and items keep their places (the combine below needs a row's splits side by side);
+  // only the order they run in changes.
+  int* order = static_cast<int*>(std::malloc(sizeof(int) * 2 * (n_items ? n_items : 1)));
+  if (order == nullptr) {
+    std::free(items);
+    std::free(partial);
+    return -2;
+  }
+  int* first = order + n_items;  // the first item reading item i's blocks
+  auto start_block = [&](const Item& it) {
+    return block_table[int64_t(it.row) * table_stride + it.b0];
+  };
+  auto same_reads = [&](const Item& x, const Item& y) {
+    return x.b0 == y.b0 && x.kv_head == y.kv_head && x.m0 == y.m0 &&
+           start_block(x) == start_block(y);
+  };
+  for (int i = 0; i < n_items; i++) order[i] = i;
+  std::sort(order, order + n_items, [&](int a, int b) {
+    const Item& x = items[a];
+    const Item& y = items[b];
+    if (x.b0 != y.b0) return x.b0 < y.b0;
+    if (x.kv_head != y.kv_head) return x.kv_head < y.kv_head;
+    if (x.m0 != y.m0) return x.m0 < y.m0;
+    const int32_t px = start_block(x), py = start_block(y);
+    return px != py ? px < py : a < b;
+  });
+  for (int k = 0; k < n_items; k++)
+    first[order[k]] = k > 0 && same_reads(items[order[k]], items[order[k - 1]])
+                          ? first[order[k - 1]]
+                          : order[k];
+  for (int i = 0; i < n_items; i++) order[i] = i;
+  std::sort(order, order + n_items, [&](int a, int b) {
+    return first[a] != first[b] ? first[a] < first[b] : a < b;
+  });
+
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int i = 0; i < n_items; i++) {
+  for (int k = 0; k < n_items; k++) {
+    const int i = order[k];
     const Item& it = items[i];
     const int qt = query_start_loc[it.row + 1] - query_start_loc[it.row];
     const int M = it.m1 - it.m0;
@@ -266,6 +306,7 @@ int kapc_paged_attention(const float* query, int64_t q_token_stride, int64_t q_h
     }
     i = j;
   }
+  std::free(order);
   std::free(items);
   std::free(partial);
   return 0;
