@@ -115,14 +115,27 @@ def test_one_row_per_thread_split_over_keys_agrees_with_unsplit():
 
 def test_rows_sharing_a_prompts_blocks_match_attention_written_out():
     # the kernel runs items reading the same blocks one after another: rows with one prompt
-    # (rows 0, 2 and 4), a row sharing only a prefix (row 3), long enough to be split over keys,
-    # decode and verification rows, and a row sharing nothing (row 1)
+    # (rows 0, 2 and 4), a row sharing only a prefix (row 3), decode and verification rows, and
+    # a row sharing nothing (row 1)
     out, want = run_case(
         [3000, 700, 3000, 2900, 3000],
         [1, 2, 5, 1, 1],
         shares={2: (0, 94), 4: (0, 94), 3: (0, 40)},
         strided=True,
     )
+    assert (out.double() - want).abs().max().item() < 2e-5
+
+
+def test_rows_sharing_a_prefix_split_over_keys_match_attention_written_out():
+    # two rows of 125 blocks on two threads are split over keys (at block 93); the second row
+    # shares the first's first 100 blocks, so its second split starts on a shared block and
+    # runs beside the first row's, though its blocks from 100 on are its own
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out, want = run_case([4000, 3990], [1, 5], shares={1: (0, 100)}, seed=5)
+    finally:
+        torch.set_num_threads(threads)
     assert (out.double() - want).abs().max().item() < 2e-5
 
 

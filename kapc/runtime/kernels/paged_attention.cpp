@@ -219,8 +219,8 @@ int kapc_paged_attention(const float* query, int64_t q_token_stride, int64_t q_h
   }
 
   // Rows whose prompts share a prefix (a server's prefix cache) read the same blocks: each item
-  // runs right after the first item reading the same blocks for the same KV head and query tile,
-  // so what that item read is still in the CPU's caches. Rows that share nothing keep their
+  // runs right after the first item that starts at the same block for the same KV head and query
+  // tile, so what that item read is still in the CPU's caches. Rows that share nothing keep their
   // order, and items keep their places (the combine below needs a row's splits side by side);
   // only the order they run in changes.
   int* order = static_cast<int*>(std::malloc(sizeof(int) * 2 * (n_items ? n_items : 1)));
