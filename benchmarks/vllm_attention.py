@@ -77,10 +77,9 @@ def main(argv=None) -> int:
     layers, B, L, bs = cfg["num_hidden_layers"], args.batch, args.context, args.block_size
     per_row = -(-L // bs)
     prompts = B // args.sharing
-    # the backend's cache layout: [blocks, kv heads, 2 * block size, head dim], keys then values
     # one cache per layer, in vLLM-CPU's layout [blocks, kv heads, block size, 2 * head dim] (viewed
-    # by its kernel as [blocks, kv heads, 2 * block size, head dim]: keys, then values); each row's
-    # blocks scattered over the pool, as a serving engine's are
+    # by its kernel as [blocks, kv heads, 2 * block size, head dim]: keys, then values); each
+    # prompt's blocks scattered over the pool, as a serving engine's are, and read by --sharing rows
     caches = [torch.randn(prompts * per_row, KVH, bs, 2 * D) for _ in range(layers)]
     views = [c.view(prompts * per_row, KVH, 2 * bs, D).chunk(2, dim=2) for c in caches]
     table = torch.randperm(prompts * per_row).to(torch.int32).view(prompts, per_row)
