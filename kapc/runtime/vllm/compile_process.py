@@ -28,6 +28,7 @@ from kapc.errors import KapcError
 
 _LENGTH = struct.Struct("<I")
 _MAX_FRAME = 1 << 30  # a frame claiming more is not one (a plan at 128K tokens is a few MB)
+_REAP_WAIT_S = 2.0  # how long a child whose pipe ended gets to be reaped
 
 
 class Ask(msgspec.Struct, frozen=True):
@@ -102,6 +103,12 @@ class CompileProcess:
         except (OSError, msgspec.DecodeError):  # gone, or its frames no longer line up
             answer = None
         if answer is None:
+            # A child that died closes its pipe a moment before it can be reaped: wait that moment
+            # so that its exit code, not a misread answer, is the reason given.
+            try:
+                child.wait(timeout=_REAP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
             if child.poll() is None:  # alive, but its answer cannot be read: start afresh
                 self.close()
                 raise CompilerFailed("the compile process's answer could not be read")
