@@ -31,12 +31,16 @@ from kapc.runtime.model import rotate_half
 
 
 class KeySummaries:
-    """Per-block key bounds of the dynamic rows of a draft cycle, stacked:
-    `kmin`, `kmax` [layers, rows, kv_heads, blocks, head_dim]; `valid` [rows, blocks] marks a row's
-    real blocks (rows have different prompt lengths); `tables` [rows, blocks] their pool blocks."""
+    """Per-block key bounds of the dynamic rows of a draft cycle. `kmin`, `kmax` [layers, kv_heads,
+    slots, head_dim] hold bounds by slot: an engine's own KV block ids (vLLM: requests on one
+    prefix hold the same blocks, so their bounds are held once, `from_store`) or the rows' blocks
+    laid end to end (`stack`). `index` [rows, blocks] is the slot of each row's block, `valid`
+    [rows, blocks] marks a row's real blocks (rows have different prompt lengths) and `tables`
+    [rows, blocks] their pool blocks. `layer(i)` gathers one layer's bounds per row, so a cycle
+    copies one layer at a time, when it is chosen, never every row's every layer up front."""
 
-    def __init__(self, kmin, kmax, valid, tables):
-        self.kmin, self.kmax, self.valid, self.tables = kmin, kmax, valid, tables
+    def __init__(self, kmin, kmax, index, valid, tables):
+        self.kmin, self.kmax, self.index, self.valid, self.tables = kmin, kmax, index, valid, tables
 
     @staticmethod
     def of_blocks(k_pool: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,39 +49,61 @@ class KeySummaries:
         kb = k_pool.index_select(2, blocks)
         return kb.amin(dim=3), kb.amax(dim=3)
 
+    @staticmethod
+    def _rows(pools: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows' pool blocks padded to the longest (with block 0) and the mask of real ones."""
+        n = max(t.numel() for t in pools)
+        tables = torch.zeros(len(pools), n, dtype=torch.long, device=device)
+        valid = torch.zeros(len(pools), n, dtype=torch.bool, device=device)
+        for b, t in enumerate(pools):
+            tables[b, : t.numel()], valid[b, : t.numel()] = t, True
+        return tables, valid
+
+    @classmethod
+    def from_store(cls, kmin: torch.Tensor, kmax: torch.Tensor, pools: list[torch.Tensor]):
+        """Rows whose bounds lie in `kmin`, `kmax` by pool block id (each row's pool blocks
+        [n_row])."""
+        tables, valid = cls._rows(pools, kmin.device)
+        return cls(kmin, kmax, tables, valid, tables)
+
     @classmethod
     def stack(cls, per_row: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
-        """Stack rows' (kmin, kmax, pool blocks), padding to the longest."""
-        n = max(t.numel() for _, _, t in per_row)
-        L, kvh, _, hd = per_row[0][0].shape
-        B = len(per_row)
-        dev, dt = per_row[0][0].device, per_row[0][0].dtype
-        kmin = torch.zeros(L, B, kvh, n, hd, device=dev, dtype=dt)
-        kmax = torch.zeros(L, B, kvh, n, hd, device=dev, dtype=dt)
-        valid = torch.zeros(B, n, dtype=torch.bool, device=dev)
-        tables = torch.zeros(B, n, dtype=torch.long, device=dev)
-        for b, (lo, hi, t) in enumerate(per_row):
-            m = t.numel()
-            kmin[:, b, :, :m], kmax[:, b, :, :m] = lo, hi
-            valid[b, :m] = True
-            tables[b, :m] = t
-        return cls(kmin, kmax, valid, tables)
+        """Rows' own (kmin, kmax, pool blocks), laid end to end."""
+        tables, valid = cls._rows([t for _, _, t in per_row], per_row[0][0].device)
+        index = torch.zeros_like(tables)
+        start = 0
+        for b, (_, _, t) in enumerate(per_row):
+            index[b, : t.numel()] = torch.arange(start, start + t.numel(), device=index.device)
+            start += t.numel()
+        kmin = torch.cat([lo for lo, _, _ in per_row], dim=2)
+        kmax = torch.cat([hi for _, hi, _ in per_row], dim=2)
+        return cls(kmin, kmax, index, valid, tables)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s bounds of every row's blocks: two [kv_heads, rows, blocks, head_dim]
+        (a padded block reads slot 0; `valid` masks it)."""
+        rows, n = self.index.shape
+        flat = self.index.reshape(-1)
+        lo = self.kmin[layer].index_select(1, flat)
+        hi = self.kmax[layer].index_select(1, flat)
+        return lo.view(lo.shape[0], rows, n, -1), hi.view(hi.shape[0], rows, n, -1)
 
 
 def block_scores(
     q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, valid: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q [rows, heads, head_dim] against one layer's summaries kmin, kmax [rows, kv_heads, blocks,
-    head_dim] -> [rows, blocks]: the attention share each block could draw, summed over heads."""
+    """q [rows, heads, head_dim] against one layer's summaries kmin, kmax [kv_heads, rows, blocks,
+    head_dim] (`KeySummaries.layer`) -> [rows, blocks]: the attention share each block could
+    draw, summed over heads."""
     B, nh, hd = q.shape
-    kvh = kmin.shape[1]
-    Q = q.view(B, kvh, nh // kvh, hd)
+    kvh = kmin.shape[0]
+    Q = q.view(B, kvh, nh // kvh, hd).transpose(0, 1)  # [kvh, B, g, hd]
     # max(q*lo, q*hi) = q+ * hi + q- * lo, summed over head_dim: two batched matmuls
     ub = torch.matmul(Q.clamp(min=0), kmax.transpose(-1, -2)) + torch.matmul(
         Q.clamp(max=0), kmin.transpose(-1, -2)
-    )  # [B, kvh, g, blocks]
-    ub = ub.mul_(scale).masked_fill_(~valid[:, None, None, :], float("-inf"))
-    return torch.softmax(ub, dim=-1).sum(dim=(1, 2))
+    )  # [kvh, B, g, blocks]
+    ub = ub.mul_(scale).masked_fill_(~valid[None, :, None, :], float("-inf"))
+    return torch.softmax(ub, dim=-1).sum(dim=(0, 2))
 
 
 def choose(
@@ -233,7 +259,7 @@ class Router:
 
     def _choose(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         s = self.summ
-        scores = block_scores(q, s.kmin[layer], s.kmax[layer], s.valid, self.m.scaling)
+        scores = block_scores(q, *s.layer(layer), s.valid, self.m.scaling)
         return choose(scores, self.forced, s.valid, self.keep, self.preferred, self.quota)
 
     def slots(self, layer: int, q: torch.Tensor) -> torch.Tensor:
@@ -302,9 +328,7 @@ class TableRouter:
             # the first step has every dynamic row present, in order
             q = query.view(-1, self.heads, self.head_dim).index_select(0, self.rows)
             s = self.summ
-            scores = block_scores(
-                q.to(s.kmin.dtype), s.kmin[layer], s.kmax[layer], s.valid, self.scale
-            )
+            scores = block_scores(q.to(s.kmin.dtype), *s.layer(layer), s.valid, self.scale)
             idx = choose(scores, self.forced, s.valid, self.widest, self.preferred, self.quota)
             self.chosen[layer] = s.tables.gather(1, idx).to(self.table.dtype)
             self.choices += 1

@@ -193,7 +193,9 @@ class PlanSession:
     prior_p: float = 0.0  # the plan's predicted per-draft acceptance
     access: AccessPolicy | None = None  # a dynamic or hybrid policy (None: static pages)
     view: AccessView | None = None  # the blocks a dynamic or hybrid view reads
-    bounds: Any = None  # the runtime's key summaries of the prompt's full blocks (query-aware)
+    # the prompt's full blocks' key bounds (query-aware): the reference executor's (min, max,
+    # pool blocks), vLLM's hook the pool blocks whose bounds it checked in its store
+    bounds: Any = None
     prompt_blocks: list[int] | None = None  # the engine's blocks of its prompt, last seen
     block_moves: int = 0
     monitor: AcceptanceMonitor | None = None

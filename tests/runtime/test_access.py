@@ -166,6 +166,24 @@ def test_key_bounds_bound_every_key_of_a_block():
     assert torch.all(ub >= exact - 1e-5)
 
 
+def test_stacked_rows_give_each_layer_their_own_blocks_bounds():
+    """Rows of different lengths laid end to end: each layer's gathered bounds are the row's own,
+    in order, and the padding is masked."""
+    torch.manual_seed(0)
+    L, kvh, bs, hd = 2, 2, 4, 8
+    pool = torch.randn(L, kvh, 6, bs, hd)
+    pools = [torch.tensor([4, 1]), torch.tensor([0, 5, 2])]
+    rows = [(*selection.KeySummaries.of_blocks(pool, p), p) for p in pools]
+    summ = selection.KeySummaries.stack(rows)
+    assert summ.valid.tolist() == [[True, True, False], [True, True, True]]
+    assert summ.tables[1].tolist() == [0, 5, 2] and summ.tables[0, :2].tolist() == [4, 1]
+    for layer in range(L):
+        lo, hi = summ.layer(layer)
+        for row, (want_lo, want_hi, p) in enumerate(rows):
+            assert torch.equal(lo[:, row, : p.numel()], want_lo[layer])
+            assert torch.equal(hi[:, row, : p.numel()], want_hi[layer])
+
+
 def test_choose_keeps_forced_blocks_then_the_best():
     scores = torch.tensor([[0.1, 0.5, 0.2, 0.9, 0.0], [0.3, 0.2, 0.8, 0.1, 0.4]])
     forced = torch.tensor([[True, False, False, False, False], [False, False, False, True, False]])

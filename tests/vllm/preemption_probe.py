@@ -29,7 +29,7 @@ def watch_bounds(seen: dict) -> None:
             now = [int(b) for b in r.blocks[: r.session.tail_block]]
             seen["checked"] += 1
             seen["moved"] += r.session.block_moves > 0
-            seen["stale"] += r.session.bounds[2].tolist() != now
+            seen["stale"] += r.session.bounds.tolist() != now
         return router
 
     KeyPages.table_router = watched

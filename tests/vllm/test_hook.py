@@ -902,7 +902,7 @@ def test_a_cache_no_reader_knows_decodes_on_static_pages(engine, cases, baseline
 # where a failure is injected: the module and the attribute replaced by one that raises
 FAULTS = {
     "admission": ("kapc.runtime.vllm.proposer", "KapProposer._admit_request"),
-    "key bounds": ("kapc.runtime.vllm.keys", "SharedBounds.of"),
+    "key bounds": ("kapc.runtime.vllm.keys", "BlockBounds.read"),
     "page choice": ("kapc.runtime.selection", "TableRouter.apply"),
     "draft forward": ("kapc.runtime.vllm.compat", "draft_logits"),
 }
@@ -980,8 +980,8 @@ def test_a_failure_inside_the_hook_costs_the_plan_never_the_request(
 
 
 def _shared_bounds(worker) -> tuple[int, int]:
-    shared = worker.model_runner.drafter.keys._shared
-    return (0, 0) if shared is None else (shared.blocks_read, shared.blocks_reused)
+    store = worker.model_runner.drafter.keys._bounds
+    return (0, 0) if store is None else (store.blocks_read, store.blocks_reused)
 
 
 def test_requests_on_one_prompt_read_its_key_bounds_once(engine, cases, baseline):

@@ -63,8 +63,8 @@ def test_every_layout_gives_the_keys_bounds_and_page_choice(name, reader, kv):
     # the page choice of a query over those bounds: the same blocks as from the keys themselves
     q = torch.randn(1, 2 * KVH, HD, generator=torch.Generator().manual_seed(1))
     valid = torch.ones(1, len(blocks), dtype=torch.bool)
-    got = selection.block_scores(q, lo[0][None], hi[0][None], valid, HD**-0.5)
-    want = selection.block_scores(q, want_lo[0][None], want_hi[0][None], valid, HD**-0.5)
+    got = selection.block_scores(q, lo[0][:, None], hi[0][:, None], valid, HD**-0.5)
+    want = selection.block_scores(q, want_lo[0][:, None], want_hi[0][:, None], valid, HD**-0.5)
     forced = torch.zeros_like(valid)
     assert torch.equal(
         selection.choose(got, forced, valid, keep=2), selection.choose(want, forced, valid, keep=2)
@@ -98,31 +98,48 @@ def test_a_block_stamp_is_its_first_and_last_key(name, reader, kv):
 
 
 def test_shared_key_bounds_are_read_once_and_again_when_a_block_holds_other_keys():
-    """Requests on one prefix hold the same blocks: their bounds are read once. A block the
-    engine has filled with other tokens since (freed and reused) is read again."""
-    from kapc.runtime.vllm.keys import SharedBounds
+    """Requests on one prefix hold the same blocks: their bounds are read once, and held by
+    block id. A block the engine has filled with other tokens since (freed and reused) is read
+    again; a page choice over the store reads each row's own blocks."""
+    from kapc.runtime.vllm.keys import BlockBounds
 
     keys, values = known_kv()
     layers = [cpu_packed(keys, values), cpu_packed(keys * 2, values)]
     reader = "vllm-cpu packed"
-    shared = SharedBounds(
+    store = BlockBounds(
         lambda blocks: compat.layer_key_bounds(layers, reader, blocks),
         lambda blocks: compat.layer_block_stamps(layers[-1], reader, blocks),
+        blocks=keys.shape[0],
     )
+
+    def held(pool):
+        return store.kmin[:, :, pool], store.kmax[:, :, pool]
+
     for pool in ([0, 2, 3], [0, 2, 5], [0, 2, 3]):
-        lo, hi = shared.of(pool)
+        assert store.read(pool).tolist() == pool
         want = compat.layer_key_bounds(layers, reader, pool)
-        assert torch.equal(lo, want[0]) and torch.equal(hi, want[1])
-    assert shared.blocks_read == 4 and shared.blocks_reused == 5
+        got = held(pool)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert store.blocks_read == 4 and store.blocks_reused == 5
     # block 2 now holds other tokens in every layer, as a reused block would
     new = keys.clone()
     new[2] = torch.randn(KVH, BS, HD, generator=torch.Generator().manual_seed(7))
     layers[0].copy_(cpu_packed(new, values))
     layers[1].copy_(cpu_packed(new * 2, values))
-    lo, hi = shared.of([0, 2])
+    store.read([0, 2])
     want = compat.layer_key_bounds(layers, reader, [0, 2])
-    assert torch.equal(lo, want[0]) and torch.equal(hi, want[1])
-    assert shared.blocks_read == 5  # block 2 alone read again
-    shared.capacity = 2
-    shared.of([5, 3, 1])
-    assert len(shared._blocks) == 2
+    got = held([0, 2])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert store.blocks_read == 5  # block 2 alone read again
+    # two rows over the store, of different lengths: each layer's bounds are the row's blocks'
+    pools = [torch.tensor([5, 0]), torch.tensor([3, 2, 1])]
+    store.read([3, 2, 1])
+    summ = selection.KeySummaries.from_store(store.kmin, store.kmax, pools)
+    assert summ.valid.tolist() == [[True, True, False], [True, True, True]]
+    for layer in range(2):
+        lo, hi = summ.layer(layer)  # [kv_heads, rows, blocks, head_dim]
+        for row, pool in enumerate(pools):
+            want = compat.layer_key_bounds(layers, reader, pool.tolist())
+            n = pool.numel()
+            assert torch.equal(lo[:, row, :n], want[0][layer])
+            assert torch.equal(hi[:, row, :n], want[1][layer])

@@ -540,6 +540,12 @@ def key_bounds(vllm_config, layout: AttentionLayout, reader: str, blocks: list[i
     return layer_key_bounds(caches, reader, blocks)
 
 
+def cache_blocks(vllm_config, layout: AttentionLayout, reader: str) -> int:
+    """How many KV blocks this engine's cache holds (block ids run from 0 to this less one)."""
+    kv = _layer_cache(attention_modules(vllm_config, layout)[0])
+    return int(KEY_READERS[reader](kv).shape[0])
+
+
 def layer_block_stamps(kv: torch.Tensor, reader: str, blocks: list[int]) -> torch.Tensor:
     """The keys of each of `blocks`' first and last token in cache `kv`: [len(blocks), 2,
     kv_heads, head_dim]. Read from the last layer, whose keys depend on every token before, two

@@ -9,12 +9,10 @@ off for every request, with the reason."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 
-from kapc.runtime.session import remember
 from kapc.runtime.vllm import compat
 from kapc.runtime.vllm.compat import UnsupportedAttention
 
@@ -26,8 +24,7 @@ class KeyPages:
         self.unreadable: str | None = None  # why query-aware pages are off on this engine
         self.probing = False  # the next forward's layer-0 key is kept, to find the reader
         self._probe: torch.Tensor | None = None
-        self._stacked = None  # (rows' serials, KeySummaries) while the same rows draft together
-        self._shared: SharedBounds | None = None
+        self._bounds: BlockBounds | None = None
         self.router = None  # the page choice of the draft forward running now, if any
 
     @property
@@ -59,33 +56,29 @@ class KeyPages:
         return self.unreadable
 
     @property
-    def shared(self) -> SharedBounds:
+    def bounds(self) -> BlockBounds:
         """Key bounds by KV block, for every request that reads a block another has read."""
-        if self._shared is None:
+        if self._bounds is None:
             cfg, layout, reader = self.vllm_config, self.layout, self.reader
-            self._shared = SharedBounds(
+            self._bounds = BlockBounds(
                 lambda blocks: compat.key_bounds(cfg, layout, reader, blocks),
                 lambda blocks: compat.block_stamps(cfg, layout, reader, blocks),
+                compat.cache_blocks(cfg, layout, reader),
             )
-        return self._shared
+        return self._bounds
 
     def table_router(self, rows):
-        """The page choice of a cycle's query-aware rows (kapc.runtime.planner.Candidate): their
-        key bounds (read from the cache once per request, the first time it drafts, and again
-        after the engine moved its blocks) stacked once for as long as the same rows draft
-        together."""
+        """The page choice of a cycle's query-aware rows (kapc.runtime.planner.Candidate), over
+        their key bounds (checked against the cache once per request, the first time it drafts,
+        and again after the engine moved its blocks)."""
         from kapc.runtime.selection import KeySummaries, TableRouter, row_masks
 
+        store = self.bounds
         for r in rows:
             s = r.session
             if s.bounds is None:
-                pool = [int(b) for b in r.blocks[: s.tail_block]]
-                lo, hi = self.shared.of(pool)
-                s.bounds = (lo, hi, torch.tensor(pool, dtype=torch.long))
-        key = tuple((r.session.serial, r.session.block_moves) for r in rows)
-        if self._stacked is None or self._stacked[0] != key:
-            self._stacked = (key, KeySummaries.stack([r.session.bounds for r in rows]))
-        summ = self._stacked[1]
+                s.bounds = store.read([int(b) for b in r.blocks[: s.tail_block]])
+        summ = KeySummaries.from_store(store.kmin, store.kmax, [r.session.bounds for r in rows])
         views = [r.session.view for r in rows]
         forced, preferred, quota = row_masks(
             summ.valid, [(v.forced, v.preferred, v.quota) for v in views]
@@ -103,43 +96,63 @@ class KeyPages:
         )
 
 
-class SharedBounds:
-    """Key bounds of KV blocks by block id, read once for every request that holds the block.
+class BlockBounds:
+    """Key bounds of the engine's KV blocks, by block id, read once for every request that holds
+    the block.
 
     Requests that share a prefix (a system prompt, a document several questions read) hold the
-    same blocks in vLLM's prefix cache, and each read the whole prompt's bounds the first time it
-    drafted: eight questions over one 8K document read the same 254 blocks eight times, at 40-130
-    ms each inside an engine step. A block's bounds are kept with its stamp, the last layer's keys
-    of its first and last token (`compat.layer_block_stamps`), and used again only while the
-    block's stamp is unchanged: a freed block the engine fills with other tokens reads anew.
+    same blocks in vLLM's prefix cache, and each needs the whole prompt's bounds the first time it
+    drafts: eight questions over one 8K document need the same 254 blocks eight times, inside an
+    engine step. Held by block id, they are read once and never copied per request: a draft cycle
+    gathers one layer's bounds of its rows when it chooses that layer's pages
+    (`KeySummaries.layer`). A block's bounds are kept with its stamp, the last layer's keys of its
+    first and last token (`compat.layer_block_stamps`), read again when a request first uses the
+    block: a freed block the engine filled with other tokens reads anew. A request keeps its
+    blocks while it runs, so bounds checked once stay its own until its blocks move
+    (`PlanSession.check_blocks`).
+
     `read_bounds(blocks)` gives [layers, kv_heads, len(blocks), head_dim] minima and maxima,
-    `read_stamps(blocks)` one stamp per block; the newest `capacity` blocks are kept."""
+    `read_stamps(blocks)` one stamp per block. The store has room for all `blocks` of the cache
+    (1/block_size of the keys' size), allocated uninitialised: only blocks read take memory."""
 
     def __init__(
         self,
         read_bounds: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]],
         read_stamps: Callable[[list[int]], torch.Tensor],
-        capacity: int = 2048,
+        blocks: int,
     ):
         self._read_bounds, self._read_stamps = read_bounds, read_stamps
-        self.capacity = int(capacity)
-        self._blocks: OrderedDict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (
-            OrderedDict()
-        )
+        self.blocks = int(blocks)
+        self.kmin: torch.Tensor | None = None  # [layers, kv_heads, blocks, head_dim]
+        self.kmax: torch.Tensor | None = None
+        self._stamps: torch.Tensor | None = None  # [blocks, 2, kv_heads, head_dim]
+        self._known: torch.Tensor | None = None  # [blocks] bool: bounds and stamp held
         self.blocks_read = 0  # blocks whose bounds were read from the cache
         self.blocks_reused = 0
 
-    def of(self, pool: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bounds of `pool`'s blocks, in order: [layers, kv_heads, len(pool), head_dim] each."""
+    def read(self, pool: list[int]) -> torch.Tensor:
+        """Make `pool`'s bounds current in the store; returns `pool` as a tensor of block ids."""
         stamps = self._read_stamps(pool)
-        kept = [self._blocks.get(b) for b in pool]
-        missing = [i for i, e in enumerate(kept) if e is None or not torch.equal(e[0], stamps[i])]
-        if missing:
-            lo, hi = self._read_bounds([pool[i] for i in missing])
-            for j, i in enumerate(missing):
-                kept[i] = (stamps[i].clone(), lo[:, :, j].clone(), hi[:, :, j].clone())
-        for b, e in zip(pool, kept):  # every entry filled now
-            remember(self._blocks, b, e, keep=self.capacity)
-        self.blocks_read += len(missing)
-        self.blocks_reused += len(pool) - len(missing)
-        return torch.stack([e[1] for e in kept], dim=2), torch.stack([e[2] for e in kept], dim=2)
+        index = torch.tensor(pool, dtype=torch.long, device=stamps.device)
+        if self._known is None:
+            self._stamps = torch.empty(
+                self.blocks, *stamps.shape[1:], dtype=stamps.dtype, device=stamps.device
+            )
+            self._known = torch.zeros(self.blocks, dtype=torch.bool, device=stamps.device)
+        held = self._known.index_select(0, index)
+        held &= (self._stamps.index_select(0, index) == stamps).flatten(1).all(dim=1)
+        missing = (~held).nonzero().flatten()
+        if missing.numel():
+            blocks = index.index_select(0, missing)
+            lo, hi = self._read_bounds(blocks.tolist())
+            if self.kmin is None:
+                L, kvh, _, hd = lo.shape
+                self.kmin = torch.empty(L, kvh, self.blocks, hd, dtype=lo.dtype, device=lo.device)
+                self.kmax = torch.empty_like(self.kmin)
+            self.kmin.index_copy_(2, blocks, lo)
+            self.kmax.index_copy_(2, blocks, hi)
+            self._stamps.index_copy_(0, blocks, stamps.index_select(0, missing))
+            self._known.index_fill_(0, blocks, True)
+        self.blocks_read += int(missing.numel())
+        self.blocks_reused += len(pool) - int(missing.numel())
+        return index
