@@ -54,11 +54,15 @@ def test_batch_identical_to_plain_vllm(engine, cases, baseline):
     # decode, draft and verification forwards ran kapc's attention kernel (every draft forward
     # and every engine step after the prefill), and the output above is still plain vLLM's
     assert res[0]["attention_kernel"] == "kapc's"
-    assert timing["kernel_steps"] >= timing["draft_forwards"] + max(r["cycles"] for r in res)
     # the batch's forwards (5 rows of up to 990 tokens) were timed on both kernels, each shape
     # then run on the faster: the output above is identical whichever ran
     choices = res[0]["kernel_choices"]
     assert choices and all(re.fullmatch(r"(kapc|engine) \d+\.\d\dx", c) for c in choices.values())
+    # draft forwards read compact views, too few KV tokens to be tried: always kapc's kernel;
+    # verification steps too, unless the trials gave their shape to the engine's
+    cycles = max(r["cycles"] for r in res)
+    on_kapc = all(c.startswith("kapc") for c in choices.values())
+    assert timing["kernel_steps"] >= timing["draft_forwards"] + (cycles if on_kapc else 0)
 
 
 def test_mismatched_plans_refused_per_request(engine, cases, baseline):
