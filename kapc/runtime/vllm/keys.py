@@ -113,7 +113,9 @@ class BlockBounds:
 
     `read_bounds(blocks)` gives [layers, kv_heads, len(blocks), head_dim] minima and maxima,
     `read_stamps(blocks)` one stamp per block. The store has room for all `blocks` of the cache
-    (1/block_size of the keys' size), allocated uninitialised: only blocks read take memory."""
+    (a minimum and a maximum key per block: 1/block_size of the KV cache's size), allocated at
+    the first read and uninitialised: on a CPU only the pages of blocks read take memory; on a
+    GPU the whole store is reserved then, beside vLLM's own budget."""
 
     def __init__(
         self,
