@@ -77,6 +77,16 @@ def measure(
         str | None,
         typer.Option(help="float32, bfloat16, ... (default: float32 on CPU, bfloat16 on a GPU)."),
     ] = None,
+    served: Annotated[
+        bool,
+        typer.Option(
+            "--served/--in-process",
+            help="Time vLLM as `kapc serve` runs it: its worker in a process of its own, on the "
+            "cores vLLM binds it to (one of two on a 2-core CPU). --in-process: one process on "
+            "every core, as `kapc run` and `kapc bench` run it. Each keeps its own profile; the "
+            "hook takes the one timed with its worker's thread count.",
+        ),
+    ] = True,
     resume: Annotated[
         bool, typer.Option(help="Continue an interrupted measurement where it stopped.")
     ] = True,
@@ -108,23 +118,31 @@ def measure(
         raise KapcError(
             f"the {grid} grid has no points of kind {', '.join(kinds)}; try --grid full"
         )
-    bench = _bench(engine, chosen, model=model, block_size=block_size, dtype=dtype)
+    bench = _bench(engine, chosen, model=model, block_size=block_size, dtype=dtype, served=served)
     base = None
     if only is not None:
         from kapc.profile import find_profile
 
-        base = find_profile(bench.engine, bench.fingerprint)
-        if base is None:
+        base = find_profile(bench.engine, bench.fingerprint, threads=bench.threads)
+        if base is None or base.threads != bench.threads:
             raise KapcError(
-                f"--only: no {bench.engine} profile for this model yet; run kapc calibrate "
-                "measure without it first"
+                f"--only: no {bench.engine} profile for this model timed with "
+                f"{bench.threads} thread(s) yet; run kapc calibrate measure without it first"
             )
     prof, path = calibrate(bench, chosen, resume=resume, out=output, base=base, only=kinds)
     typer.echo(show(prof))
     typer.echo(f"kapc: profile written to {path}", err=True)
 
 
-def _bench(engine: str, grid, *, model: str | None, block_size: int | None, dtype: str | None):
+def _bench(
+    engine: str,
+    grid,
+    *,
+    model: str | None,
+    block_size: int | None,
+    dtype: str | None,
+    served: bool = True,
+):
     if engine == "reference":
         from kapc.runtime.calibrate import ReferenceBench
         from kapc.runtime.model import load_model
@@ -144,6 +162,7 @@ def _bench(engine: str, grid, *, model: str | None, block_size: int | None, dtyp
             max_batch=grid.widest,
             dtype=dtype,
             model_dir=model,
+            served=served,
         )
     raise KapcError(f"--engine must be vllm or reference, not {engine!r}")
 

@@ -22,11 +22,17 @@ class CompileContext:
     a tokenization memo shared by every pass and by lowering."""
 
     def __init__(
-        self, model: str | None = None, assets: ModelAssets | None = None, engine: str | None = None
+        self,
+        model: str | None = None,
+        assets: ModelAssets | None = None,
+        engine: str | None = None,
+        threads: int | None = None,
     ):
         self.model_spec = model
         self._assets = assets
         self.engine = engine  # the target engine (kapc.policy.ENGINE_BLOCK_SIZE), if named
+        # the threads its worker computes with, where known: which of its profiles prices plans
+        self.threads = threads
 
     @property
     def assets(self) -> ModelAssets:

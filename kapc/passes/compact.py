@@ -251,6 +251,6 @@ class Compact(Pass):
         if ctx.engine is None:
             return None
         try:
-            return find_profile(ctx.engine, fingerprint)
+            return find_profile(ctx.engine, fingerprint, threads=ctx.threads)
         except ProfileError:
             return None

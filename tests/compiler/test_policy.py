@@ -4,6 +4,7 @@ and profiled), k=auto and break-even; and the compiler using a profile."""
 from __future__ import annotations
 
 import math
+import os
 
 import msgspec
 import numpy as np
@@ -1075,3 +1076,41 @@ def test_only_a_profile_of_this_cpu_or_of_none_named_is_found(tmp_path, monkeypa
     # a profile from before profiles named their CPU is taken as this machine's
     save_profile(msgspec.structs.replace(known_profile(), created="unnamed"))
     assert find_profile("vllm-cpu", fp, cpu=avx512).created == "unnamed"
+
+
+def test_a_profile_timed_with_the_workers_thread_count_is_found_before_a_newer_one(
+    tmp_path, monkeypatch
+):
+    # a served worker computes on one core of two; a profile timed on both prices its steps
+    # too fast, so the hook takes the one timed as it runs, wherever there is one
+    monkeypatch.setenv("KAPC_CACHE_DIR", str(tmp_path))
+    fp, cpu = known_profile().model_fingerprint, machine_cpu(AVX2)
+    one = save_profile(msgspec.structs.replace(known_profile(), cpu=cpu, threads=1, created="1"))
+    two = save_profile(msgspec.structs.replace(known_profile(), cpu=cpu, threads=2, created="2"))
+    os.utime(one, (1, 1))  # the one-thread profile is the older
+    assert one != two  # the thread count is part of the key: neither overwrites the other
+    assert find_profile("vllm-cpu", fp, cpu=cpu, threads=1).created == "1"
+    assert find_profile("vllm-cpu", fp, cpu=cpu, threads=2).created == "2"
+    # no count given, or none timed with it: the newest
+    assert find_profile("vllm-cpu", fp, cpu=cpu).created == "2"
+    os.utime(two, (0, 0))
+    assert find_profile("vllm-cpu", fp, cpu=cpu, threads=4).created == "1"
+
+
+def test_a_compile_for_an_engine_prices_plans_with_the_profile_of_its_workers_threads(
+    ctx, tmp_path, monkeypatch
+):
+    # a server's compile process names its worker's thread count, so a plan is priced with the
+    # profile the hook decides its steps with, not a newer one timed in-process on every core
+    from kapc.compiler import compile_module
+    from kapc.passes import CompileContext
+    from tests.conftest import example_priors
+
+    monkeypatch.setenv("KAPC_CACHE_DIR", str(tmp_path))
+    base = msgspec.structs.replace(known_profile(ctx.assets.fingerprint), cpu=machine_cpu())
+    keys = {n: save_profile(msgspec.structs.replace(base, threads=n)).stem for n in (1, 2)}
+    pipeline = "ground,align-spans,select{budget-ratio=0.2},resolve-pages,compact{k=auto}"
+    for threads in (1, 2):
+        served = CompileContext(assets=ctx.assets, engine="vllm-cpu", threads=threads)
+        m = compile_module(example_priors()[0], pipeline, served).module
+        assert m.cost.basis == keys[threads]

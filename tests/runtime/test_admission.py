@@ -53,6 +53,29 @@ def test_a_prior_compiles_once_per_block_size(ctx):
     assert decode_plan(other.compile(text).data).header.block_size == 64
 
 
+def test_the_compile_process_prices_plans_with_the_profile_of_the_workers_threads(
+    ctx, tmp_path, monkeypatch
+):
+    """The worker names its thread count to the compile process (the hook takes the profile
+    timed with it), so a plan is priced as the hook will run it, not by a newer profile timed
+    with another count."""
+    import msgspec
+
+    from kapc.profile import machine_cpu, save_profile
+    from tests.compiler.test_policy import known_profile
+
+    monkeypatch.setenv("KAPC_CACHE_DIR", str(tmp_path))  # the child inherits it
+    base = msgspec.structs.replace(known_profile(ctx.assets.fingerprint), cpu=machine_cpu())
+    keys = {n: save_profile(msgspec.structs.replace(base, threads=n)).stem for n in (1, 2)}
+    for threads in (1, 2):
+        one = PlanCompiler(str(ctx.assets.path), block_size=32, engine="vllm-cpu", threads=threads)
+        try:
+            plan = decode_plan(one.compile(PRIOR_700.read_text()).data)
+        finally:
+            one.close()
+        assert plan.header.cost.basis == keys[threads]
+
+
 def test_the_cache_keeps_the_newest_plans(ctx):
     small = PlanCompiler(str(ctx.assets.path), block_size=32, engine="vllm-cpu", capacity=1)
     a, b = PRIOR_700.read_text(), (EXAMPLES / "hotpotqa" / "q0001-700.prior.json").read_text()

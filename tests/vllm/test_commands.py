@@ -7,6 +7,7 @@ commands (tests/test_cli_run.py, tests/runtime/test_calibrate.py, tests/bench/te
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -50,6 +51,11 @@ def test_kapc_calibrate_measures_a_vllm_profile(tmp_path):
     kinds = {x.kind for x in profile.samples}
     assert {"plain", "resting", "draft", "verify"} <= kinds, kinds
     assert {x.batch for x in profile.samples if x.kind == "resting"} == {1, 2}
+    # timed as `kapc serve` runs vLLM: its worker on every core but the one vLLM reserves for
+    # the engine core, and the profile keyed by that thread count
+    assert "served" in profile.note
+    assert profile.threads == max(1, len(os.sched_getaffinity(0)) - 1)
+    assert f"-t{profile.threads}-" in profile.key
 
 
 def test_the_vllm_decoding_benchmark_compares_the_three_engines(tmp_path):

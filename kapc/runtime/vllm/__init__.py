@@ -147,6 +147,14 @@ class KapEngine:
             "kapc_use_profile", kwargs={"source": str(source), "online": bool(online)}
         )[0]
 
+    def worker_threads(self) -> int:
+        """The threads the engine's worker computes with: every core in-process, the cores vLLM
+        binds its worker process to otherwise (all but one reserved for the engine core on a
+        CPU, as `kapc serve` runs)."""
+        if not self.hook:
+            raise ValueError("this engine runs without kapc's hook")
+        return int(self.llm.collective_rpc("kapc_threads")[0])
+
     def close(self) -> None:
         """Shut the engine's processes down (the LLM object is unusable afterwards)."""
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)

@@ -75,10 +75,18 @@ def prior_text(value) -> bytes:
 
 class PlanCompiler:
     """Compiles priors for one engine: its model folder, KV block size and the engine name the
-    compiler finds its profile under (kapc.policy.ENGINE_BLOCK_SIZE: "vllm-cpu" or "vllm-gpu"),
-    in a process of its own that a thread of this one waits on."""
+    compiler finds its profile under (kapc.policy.ENGINE_BLOCK_SIZE: "vllm-cpu" or "vllm-gpu")
+    with the threads its worker computes with (`threads`; 0: unknown), in a process of its own
+    that a thread of this one waits on."""
 
-    def __init__(self, model: str, block_size: int, engine: str, capacity: int = CACHED_PLANS):
+    def __init__(
+        self,
+        model: str,
+        block_size: int,
+        engine: str,
+        capacity: int = CACHED_PLANS,
+        threads: int = 0,
+    ):
         self.model, self.block_size, self.engine = model, int(block_size), engine
         self.capacity = int(capacity)
         self._plans: OrderedDict[str, bytes] = OrderedDict()
@@ -87,7 +95,7 @@ class PlanCompiler:
         self._unclaimed: dict[str, float] = {}  # seconds of early compiles done, unclaimed
         self._lock = threading.Lock()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="kapc-compile")
-        self._process = CompileProcess(model, engine)
+        self._process = CompileProcess(model, engine, threads)
         # the child exits with its pipe when this compiler is dropped, or with this process
         weakref.finalize(self, self._process.close)
 

@@ -36,6 +36,7 @@ class VllmBench:
         kv_cache_gib: float | None = None,
         dtype: str | None = None,
         model_dir: str | None = None,
+        served: bool = True,
     ):
         import vllm
 
@@ -65,12 +66,19 @@ class VllmBench:
             )
         self.max_model_len = max_context + 256
         self.device = "cpu" if self.engine == "vllm-cpu" else "cuda"
-        # the in-process engine runs OMP with every core (make_engine(in_process=True))
-        self.threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+        # served: vLLM's worker process, bound to the cores vLLM gives it (`threads` asks it once
+        # an engine is up); in-process: OMP on every core (make_engine(in_process=True))
+        self.served = served
+        self._threads = (
+            None if served else int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
+        )
         # every row's prompt KV stays cached (one prefill per prompt per engine), plus room to decode
         self.max_context, self.max_batch = max_context, max_batch
         self.kv_cache_gib = self._kv_cache(kv_cache_gib) if self.device == "cpu" else kv_cache_gib
-        self.note = "rows decode distinct prompts; plans are synthetic selections of s of a prompt"
+        self.note = (
+            "rows decode distinct prompts; plans are synthetic selections of s of a prompt; "
+            + ("engine served (vLLM's worker process)" if served else "engine in-process")
+        )
         # how kapc's engine runs (calibrate.ENGINE_SETUP; the proposer says, once it is up)
         self.attention_kernel = self.draft_weights = ""
         self._prompts = None
@@ -110,6 +118,14 @@ class VllmBench:
             )
         return plan.kv_cache_gib
 
+    @property
+    def threads(self) -> int:
+        """The threads the timed engine computes with (its profile's key names them); kapc's
+        engine, started to ask, is the one most points time."""
+        if self._threads is None:
+            self._threads = self._engine("kapc").worker_threads()
+        return self._threads
+
     # ---- engines ---------------------------------------------------------------------------
     def _engine(self, method: str):
         from kapc.runtime.vllm import make_engine
@@ -124,7 +140,7 @@ class VllmBench:
                 max_model_len=self.max_model_len,
                 max_num_seqs=self.max_batch,
                 kv_cache_gib=self.kv_cache_gib,
-                in_process=True,
+                in_process=not self.served,
                 dtype=self.dtype,
             )
             self._method = method

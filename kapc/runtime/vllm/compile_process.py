@@ -67,11 +67,12 @@ def _read(stream, kind):
 
 
 class CompileProcess:
-    """The child that compiles one engine's priors against its model folder and the engine name
-    its profile is kept under. Not thread-safe: one caller at a time (PlanCompiler's thread)."""
+    """The child that compiles one engine's priors against its model folder, the engine name its
+    profile is kept under and the threads its worker computes with (which of its profiles; 0:
+    unknown). Not thread-safe: one caller at a time (PlanCompiler's thread)."""
 
-    def __init__(self, model: str, engine: str):
-        self.model, self.engine = model, engine
+    def __init__(self, model: str, engine: str, threads: int = 0):
+        self.model, self.engine, self.threads = model, engine, int(threads)
         self._child: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
@@ -85,7 +86,7 @@ class CompileProcess:
             if self._child is not None and self._child.poll() is None:
                 return
             self._child = subprocess.Popen(
-                [sys.executable, "-m", __name__, self.model, self.engine],
+                [sys.executable, "-m", __name__, self.model, self.engine, str(self.threads)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 close_fds=True,
@@ -145,7 +146,7 @@ def _spare_cores() -> None:
         pass
 
 
-def serve(model: str, engine: str, stdin, stdout) -> None:
+def serve(model: str, engine: str, stdin, stdout, threads: int = 0) -> None:
     """Answer every prior read from `stdin` on `stdout` until `stdin` ends."""
     from kapc.compiler import compile_to_kapb
     from kapc.passes import CompileContext
@@ -153,7 +154,7 @@ def serve(model: str, engine: str, stdin, stdout) -> None:
     from kapc.runtime.session import PRIOR_KEY
 
     try:
-        ctx = CompileContext(model=model, engine=engine)
+        ctx = CompileContext(model=model, engine=engine, threads=threads or None)
         ctx.tokenize("warm", add_special_tokens=False)  # loaded before the first prior comes
         unusable = None
     except Exception as exc:  # noqa: BLE001 - said to every prior, which the worker refuses
@@ -180,7 +181,7 @@ def main(argv: list[str]) -> None:
     frames = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     try:
-        serve(argv[0], argv[1], sys.stdin.buffer, frames)
+        serve(argv[0], argv[1], sys.stdin.buffer, frames, int(argv[2]) if len(argv) > 2 else 0)
     except (BrokenPipeError, KeyboardInterrupt):  # the worker went away
         pass
 

@@ -102,12 +102,14 @@ class EngineSetup:
 
     def find_profile(self):
         """This engine's calibration profile, if `kapc calibrate` measured one for this model on
-        this machine (else None)."""
+        this machine (else None): one timed with this worker's thread count where there is one."""
+        import torch
+
         from kapc.errors import KapcError
         from kapc.profile import find_profile
 
         try:
-            return find_profile(self.kind, self.fingerprint())
+            return find_profile(self.kind, self.fingerprint(), threads=torch.get_num_threads())
         except KapcError:
             return None
 

@@ -100,8 +100,8 @@ class KapProposer:
         self.finished: OrderedDict[str, RunReport] = OrderedDict()
         self.totals = ServedTotals()  # over every finished request, for /metrics
         # priors' plans, compiled in a process of their own from each request's arrival
-        model = str(vllm_config.model_config.model)
-        self._compiler = PlanCompiler(model, self.block_size, engine_kind())
+        model, threads = str(vllm_config.model_config.model), torch.get_num_threads()
+        self._compiler = PlanCompiler(model, self.block_size, engine_kind(), threads=threads)
         self._compiler.warm()
         compile_early(self._compiler)
         self._failures: set[tuple[str, str]] = set()  # (what failed, exception type), logged

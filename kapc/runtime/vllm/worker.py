@@ -34,6 +34,12 @@ class KapWorkerExtension:
         times unless `online` is False; returns its key."""
         return self._kapc_proposer().use_profile(source, online)
 
+    def kapc_threads(self) -> int:
+        """The threads this worker computes with."""
+        import torch
+
+        return torch.get_num_threads()
+
     def kapc_stats(self, pop: bool = False, tag: str | None = None) -> dict:
         """Per-request proposal statistics (by tag; only `tag`'s when given) and proposer
         timing."""
