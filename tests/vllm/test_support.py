@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -184,3 +186,24 @@ def test_a_request_ends_where_vllms_scheduler_stops_it():
     ignoring.update_from_generation_config({}, eos_token_id=2)
     assert request_ends(ignoring, 100) == (105, frozenset({9}))
     assert request_ends(SamplingParams(max_tokens=None), 100) == (None, frozenset())
+
+
+def test_the_hook_takes_the_profile_timed_with_its_workers_threads(tmp_path, monkeypatch):
+    """A served worker computes on fewer threads than an in-process engine; the hook takes the
+    profile timed with its own count before a newer one timed with another."""
+    import msgspec
+    import torch
+
+    from kapc.profile import machine_cpu, save_profile
+    from kapc.runtime.vllm import engine_setup
+    from tests.compiler.test_policy import known_profile
+
+    monkeypatch.setenv("KAPC_CACHE_DIR", str(tmp_path))
+    mine = torch.get_num_threads()
+    base = msgspec.structs.replace(known_profile(), cpu=machine_cpu())
+    save_profile(msgspec.structs.replace(base, threads=mine, created="mine"))
+    newer = save_profile(msgspec.structs.replace(base, threads=mine + 1, created="other"))
+    os.utime(newer, (2**31, 2**31))
+    p = engine_setup.EngineSetup.__new__(engine_setup.EngineSetup)  # no engine: the choice only
+    p.kind, p._fingerprint = "vllm-cpu", base.model_fingerprint
+    assert p.find_profile().created == "mine"
