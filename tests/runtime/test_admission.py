@@ -333,7 +333,7 @@ def test_what_the_compiler_prints_does_not_break_the_compile_processs_answers(ct
         "import kapc.compiler as c; f = c.compile_to_kapb; "
         "c.compile_to_kapb = lambda *a, **k: (print('chatter'), f(*a, **k))[1]; "
         "from kapc.runtime.vllm.compile_process import main; "
-        f"main([{str(ctx.assets.path)!r}, 'vllm-cpu'])"
+        f"main([{str(ctx.assets.path)!r}, 'vllm-cpu', '0'])"
     )
     child = subprocess.Popen(
         [sys.executable, "-c", chatty],

@@ -181,7 +181,7 @@ def main(argv: list[str]) -> None:
     frames = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     try:
-        serve(argv[0], argv[1], sys.stdin.buffer, frames, int(argv[2]) if len(argv) > 2 else 0)
+        serve(argv[0], argv[1], sys.stdin.buffer, frames, int(argv[2]))
     except (BrokenPipeError, KeyboardInterrupt):  # the worker went away
         pass
 
