@@ -185,3 +185,102 @@ def test_built_once_per_shape_and_machine(monkeypatch, tmp_path):
             kernels.load_paged_attention(60, 32)
     finally:
         kernels._library.cache_clear()
+
+
+def amx_cache(keys, values, block_size):
+    """vLLM-CPU's bfloat16 layer cache for its AMX kernel, from each block's keys and values
+    [blocks, kv_heads, block_size, head_dim]: keys in halves of 16 tokens, each pairs of dims;
+    values in chunks of 16 dims, each pairs of tokens (paged_attention.cpp)."""
+    n, kvh, bs, hd = keys.shape
+    k = keys.view(n, kvh, bs // 16, 16, hd // 2, 2).permute(0, 1, 2, 4, 3, 5)
+    v = values.view(n, kvh, bs // 2, 2, hd // 16, 16).permute(0, 1, 4, 2, 5, 3)
+    packed = torch.cat([k.reshape(n, kvh, -1), v.reshape(n, kvh, -1)], dim=2)
+    return packed.to(torch.bfloat16).contiguous().view(n, kvh, bs, 2 * hd)
+
+
+def needs_amx(head_dim=64, block_size=32):
+    try:
+        if kernels.has_bfloat16(head_dim, block_size):
+            return
+    except KernelUnavailable as exc:
+        pytest.skip(str(exc))
+    pytest.skip("this CPU has no AMX-BF16: kapc's bfloat16 kernel is not built here")
+
+
+def bf16_rows(rows_tokens, kv_heads=2, head_dim=64, block_size=32, seed=0):
+    """Rows' keys and values in shuffled blocks of a bfloat16 cache in the AMX layout: (cache,
+    block table, each row's plain keys and values as float32)."""
+    g = torch.Generator().manual_seed(seed)
+    per_row = [-(-n // block_size) for n in rows_tokens]
+    total = sum(per_row) + 2
+    keys = torch.randn(total, kv_heads, block_size, head_dim, generator=g).bfloat16().float()
+    values = torch.randn(total, kv_heads, block_size, head_dim, generator=g).bfloat16().float()
+    order = torch.randperm(total, generator=g).to(torch.int32)
+    table = torch.zeros((len(rows_tokens), max(per_row)), dtype=torch.int32)
+    plain, used = [], 0
+    for r, (n, nb) in enumerate(zip(rows_tokens, per_row)):
+        table[r, :nb] = order[used : used + nb]
+        used += nb
+        blocks = table[r, :nb].long()
+        k = keys[blocks].permute(0, 2, 1, 3).reshape(nb * block_size, kv_heads, head_dim)[:n]
+        v = values[blocks].permute(0, 2, 1, 3).reshape(nb * block_size, kv_heads, head_dim)[:n]
+        plain.append((k, v))
+    return amx_cache(keys, values, block_size), table, plain
+
+
+def starts(queries):
+    return torch.tensor([0] + list(torch.tensor(queries).cumsum(0)), dtype=torch.int32)
+
+
+def test_bfloat16_amx_layout_matches_attention_written_out():
+    # decode and verification rows, partial blocks, a row shorter than a tile's 16 tokens, a
+    # long row split over keys, and more query rows than one AMX tile holds (5 tokens x 7 heads)
+    needs_amx()
+    rows, queries, heads = [700, 20, 4000, 33], [1, 5, 5, 9], 14
+    cache, table, plain = bf16_rows(rows)
+    qsl, lens = starts(queries), torch.tensor(rows, dtype=torch.int32)
+    g = torch.Generator().manual_seed(1)
+    query = torch.randn(int(qsl[-1]), heads, 64, generator=g).bfloat16()
+    out = torch.full_like(query, float("nan"))
+    paged_attention(query, cache, out, qsl, lens, table, 64**-0.5)
+    want = reference(query.float(), qsl, lens, plain, heads, 2, 64**-0.5)
+    assert torch.isfinite(out.float()).all()
+    # bfloat16 outputs of values about 1 in size, from bfloat16 softmax weights
+    assert (out.double() - want).abs().max().item() < 1.5e-2
+    assert (out.double() - want).abs().mean().item() < 1.5e-3
+
+
+def test_bfloat16_tokens_decode_alike_in_any_step():
+    # each query token gets the same bits in a verification of five tokens in a batch of three
+    # as when decoded alone, seeing only the keys up to it: in bfloat16 a differently rounded
+    # verification would change greedy tokens, so no rounding may depend on the step's makeup
+    needs_amx()
+    rows, heads = [3000, 1500, 4100], 14
+    cache, table, _ = bf16_rows(rows, seed=4)
+    g = torch.Generator().manual_seed(5)
+    five = torch.randn(3 * 5, heads, 64, generator=g).bfloat16()
+    out5 = torch.empty_like(five)
+    lens = torch.tensor(rows, dtype=torch.int32)
+    paged_attention(five, cache, out5, starts([5, 5, 5]), lens, table, 0.125)
+    for r, n in enumerate(rows):
+        for i in range(5):
+            token = five[r * 5 + i : r * 5 + i + 1].contiguous()
+            alone = torch.empty_like(token)
+            seen = torch.tensor([n - 4 + i], dtype=torch.int32)
+            paged_attention(token, cache, alone, starts([1]), seen, table[r : r + 1], 0.125)
+            assert torch.equal(alone[0], out5[r * 5 + i]), (r, i)
+
+
+def test_bfloat16_needs_query_and_output_of_the_caches_dtype():
+    cache, table, _ = bf16_rows([64])
+    q = torch.randn(1, 14, 64)  # float32 against a bfloat16 cache
+    with pytest.raises(KernelUnavailable, match="bfloat16 cache, with query and output"):
+        paged_attention(
+            q,
+            cache,
+            torch.empty_like(q),
+            starts([1]),
+            torch.tensor([64], dtype=torch.int32),
+            table,
+            0.1,
+        )

@@ -94,27 +94,35 @@ def _library(head_dim: int, block_size: int) -> ctypes.CDLL:
         )
     lib = ctypes.CDLL(str(_build(head_dim, block_size)))
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.kapc_paged_attention.argtypes = [
-        p,
-        i64,
-        i64,
-        p,
-        i64,
-        i64,
-        p,
-        i64,
-        i64,
-        p,
-        p,
-        i,
-        p,
-        i64,
-        i,
-        i,
-        ctypes.c_float,
-    ]
-    lib.kapc_paged_attention.restype = i
+    for entry in (lib.kapc_paged_attention, lib.kapc_paged_attention_bf16):
+        entry.argtypes = [
+            p,
+            i64,
+            i64,
+            p,
+            i64,
+            i64,
+            p,
+            i64,
+            i64,
+            p,
+            p,
+            i,
+            p,
+            i64,
+            i,
+            i,
+            ctypes.c_float,
+        ]
+        entry.restype = i
+    lib.kapc_has_bf16.restype = i
     return lib
+
+
+def has_bfloat16(head_dim: int, block_size: int) -> bool:
+    """Whether the kernel built for this machine reads bfloat16 caches (vLLM-CPU's "amx"
+    layout): it runs on AMX tiles."""
+    return bool(_library(int(head_dim), int(block_size)).kapc_has_bf16())
 
 
 def load_paged_attention(head_dim: int, block_size: int) -> None:
@@ -128,9 +136,10 @@ def paged_attention(
 ) -> None:
     """out[t, h] = causal attention of query[t, h] over its row's keys and values in `cache`.
 
-    query, out: float32 [tokens, heads, head_dim] (rows of `query_start_loc`'s lengths, each
-    row's tokens the last of its sequence); cache: vLLM-CPU's float32 layer cache [blocks,
-    kv_heads, block_size, 2 * head_dim] (keys head-dim-major, then values); query_start_loc
+    query, out: [tokens, heads, head_dim] (rows of `query_start_loc`'s lengths, each row's
+    tokens the last of its sequence); cache: vLLM-CPU's layer cache [blocks, kv_heads,
+    block_size, 2 * head_dim], float32 in its "vec" layout or bfloat16 in its "amx" layout
+    (paged_attention.cpp), query and output of the cache's dtype; query_start_loc
     int32 [rows + 1]; seq_lens int32 [rows] (tokens each row sees, its queries included);
     block_table int32 [rows, width], each row read as one continuous sequence."""
     import torch
@@ -138,8 +147,10 @@ def paged_attention(
     blocks, kv_heads, block_size, two_hd = cache.shape
     tokens, heads, head_dim = query.shape
     problems = []
-    if query.dtype != torch.float32 or cache.dtype != torch.float32 or out.dtype != torch.float32:
-        problems.append("float32 query, cache and output")
+    if cache.dtype not in (torch.float32, torch.bfloat16) or not (
+        query.dtype == cache.dtype == out.dtype
+    ):
+        problems.append("a float32 or bfloat16 cache, with query and output of its dtype")
     if two_hd != 2 * head_dim or out.shape != query.shape:
         problems.append("a cache of the query's head dim and an output of the query's shape")
     if heads % kv_heads:
@@ -161,7 +172,10 @@ def paged_attention(
     if problems:
         raise KernelUnavailable("kapc's attention kernel needs " + "; ".join(problems))
     lib = _library(head_dim, block_size)
-    rc = lib.kapc_paged_attention(
+    entry = (
+        lib.kapc_paged_attention_bf16 if cache.dtype == torch.bfloat16 else lib.kapc_paged_attention
+    )
+    rc = entry(
         query.data_ptr(),
         query.stride(0),
         query.stride(1),
@@ -186,5 +200,8 @@ def paged_attention(
                 -1: f"kapc's attention kernel tiles at most 64 query heads per "
                 f"KV head (this model has {heads // kv_heads})",
                 -2: "kapc's attention kernel could not allocate scratch memory",
+                -3: "kapc's attention kernel reads bfloat16 caches only with AMX-BF16, head "
+                "dims and block sizes that are multiples of 32 (this CPU or shape has not, or "
+                "Linux refused this process AMX's tiles)",
             }.get(rc, f"kapc's attention kernel failed ({rc})")
         )

@@ -7,8 +7,16 @@
 // heads of a KV group form one tile, so every key and value block is read once for all of them
 // and the tile's dot products run as small register-blocked matrix products.
 //
-// Layout (vLLM-CPU, "vec" ISA, float32): cache[block][kv_head] holds BS keys head-dim-major
-// (key t, dim d at d * BS + t), then BS values token-major (value t, dim d at HD * BS + t * HD + d).
+// Layouts: cache[block][kv_head] holds BS keys, then BS values.
+// - float32 (vLLM-CPU's "vec" ISA): keys head-dim-major (key t, dim d at d * BS + t), values
+//   token-major (value t, dim d at HD * BS + t * HD + d).
+// - bfloat16 (vLLM-CPU's "amx" ISA, packed for AMX tiles): keys in halves of 16 tokens, each
+//   pairs of dims (key t, dim d at ((t / 16) * HD / 2 + d / 2) * 32 + (t % 16) * 2 + d % 2);
+//   values in chunks of 16 dims, each pairs of tokens (value t, dim d at HD * BS +
+//   ((d / 16) * BS / 2 + t / 2) * 32 + (d % 16) * 2 + t % 2). Those are the operand tiles of AMX's
+//   bfloat16 matrix product, so this kernel reads them as they lie: the bfloat16 variant is
+//   built only where the CPU has AMX-BF16. Scores, softmax and outputs sum in float32; each
+//   block's softmax weights are rounded to bfloat16 before they meet the values, as in vLLM's.
 // Query token i of a row with q tokens and seq_len visible tokens sits at index seq_len - q + i
 // of the row's sequence and sees the keys at indices 0 .. seq_len - q + i (its own included).
 //
@@ -26,6 +34,15 @@
 #include <cstdlib>
 #include <cstring>
 #include <omp.h>
+// the bfloat16 variant: AMX-BF16, and dims and tokens in whole tiles (vLLM-CPU keeps other head
+// dims in its "vec16" layout, never this one)
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && \
+    defined(HD) && defined(BS) && HD % 32 == 0 && BS % 32 == 0
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KAPC_BF16 1
+#endif
 
 #ifndef HD
 #error "HD (head dim) must be defined"
@@ -50,23 +67,27 @@ inline v8 load(const float* p) { v8 v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
 inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
 
-// exp(x) on 8 lanes (Cephes' single-precision range reduction and polynomial, about 1 ulp)
-inline v8 vexp(v8 x) {
-  x = x < splat(-87.33654f) ? splat(-87.33654f) : x;
-  v8 fx = x * splat(1.44269504088896341f) + splat(0.5f);
-  v8 fl = __builtin_convertvector(__builtin_convertvector(fx, v8i), v8);
-  fl = fl > fx ? fl - splat(1.0f) : fl;  // floor
-  x = x - fl * splat(0.693359375f) + fl * splat(2.12194440e-4f);
-  v8 z = x * x;
-  v8 y = splat(1.9875691500e-4f);
-  y = y * x + splat(1.3981999507e-3f);
-  y = y * x + splat(8.3334519073e-3f);
-  y = y * x + splat(4.1665795894e-2f);
-  y = y * x + splat(1.6666665459e-1f);
-  y = y * x + splat(5.0000001201e-1f);
-  y = y * z + x + splat(1.0f);
-  v8i e = (__builtin_convertvector(fl, v8i) + 127) << 23;
-  v8 scale;
+template <class V>
+inline V splatv(float x) { V v = {}; return v + x; }
+
+// exp(x) lane-wise (Cephes' single-precision range reduction and polynomial, about 1 ulp)
+template <class V, class VI>
+inline V vexp(V x) {
+  x = x < splatv<V>(-87.33654f) ? splatv<V>(-87.33654f) : x;
+  V fx = x * splatv<V>(1.44269504088896341f) + splatv<V>(0.5f);
+  V fl = __builtin_convertvector(__builtin_convertvector(fx, VI), V);
+  fl = fl > fx ? fl - splatv<V>(1.0f) : fl;  // floor
+  x = x - fl * splatv<V>(0.693359375f) + fl * splatv<V>(2.12194440e-4f);
+  V z = x * x;
+  V y = splatv<V>(1.9875691500e-4f);
+  y = y * x + splatv<V>(1.3981999507e-3f);
+  y = y * x + splatv<V>(8.3334519073e-3f);
+  y = y * x + splatv<V>(4.1665795894e-2f);
+  y = y * x + splatv<V>(1.6666665459e-1f);
+  y = y * x + splatv<V>(5.0000001201e-1f);
+  y = y * z + x + splatv<V>(1.0f);
+  VI e = (__builtin_convertvector(fl, VI) + 127) << 23;
+  V scale;
   std::memcpy(&scale, &e, sizeof scale);
   return y * scale;
 }
@@ -149,7 +170,7 @@ void attend(const float* q, int M, int group, int first_token, int q_tokens, int
       mx[r] = new_max;
       v8 sum = splat(0.f);
       for (int j = 0; j < NV_B; j++) {
-        v8 e = vexp(load(&s[r][j * VL]) - splat(new_max));
+        v8 e = vexp<v8, v8i>(load(&s[r][j * VL]) - splat(new_max));
         sum += e;
         store(&p[j * VL], e);
       }
@@ -165,30 +186,221 @@ void attend(const float* q, int M, int group, int first_token, int q_tokens, int
   }
 }
 
-}  // namespace
 
-extern "C" {
+// The float32 variant: the query tile is scaled as it is copied in.
+struct Float32 {
+  using Elem = float;
+  static void load_query(const float* src, float* dst, float scale) {
+    for (int d = 0; d < HD; d++) dst[d] = src[d] * scale;
+  }
+  static void store_out(float* dst, const float* acc, float inv) {
+    for (int d = 0; d < HD; d++) dst[d] = acc[d] * inv;
+  }
+  static bool ready() { return true; }
+  // key splits: enough items for every thread several times over, none shorter than 8 blocks
+  static int64_t split(int64_t head_blocks, int threads) {
+    const int64_t s = head_blocks / (4 * threads);
+    return s < 8 ? 8 : s > 256 ? 256 : s;
+  }
+  static void pad_queries(float*, int) {}
+  static void done() {}
+  static void attend(const float* q, int M, int group, int first_token, int q_tokens, int seq_len,
+                     const float* cache, int64_t block_stride, int64_t head_stride, int kv_head,
+                     const int32_t* table, int b0, int b1, float, float* o, float* mx, float* sm) {
+    ::attend(q, M, group, first_token, q_tokens, seq_len, cache, block_stride, head_stride,
+             kv_head, table, b0, b1, o, mx, sm);
+  }
+};
 
-int kapc_head_dim() { return HD; }
-int kapc_block_size() { return BS; }
+#ifdef KAPC_BF16
+static_assert(HD % 32 == 0 && BS % 32 == 0, "AMX tiles take 32 dims and 32 tokens at a time");
+constexpr int NH = BS / 16;  // 16-token halves of a block's keys: one score tile's columns each
+constexpr int NP = HD / 2;   // dim pairs of a key
+constexpr int NC = HD / 16;  // 16-dim chunks of a value: one output tile's columns each
+constexpr int TR = 16;       // rows of a tile
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows of 64 bytes: tile 0 accumulates, tile 1 holds queries or weights, tile 2
+// keys or values. Tile state is per thread; each item loads it and the kernel releases it, so
+// other AMX users (oneDNN, vLLM's kernel) configure their own as they always do.
+inline void configure_tiles() {
+  TileConfig cfg;
+  for (int i = 0; i < 3; i++) cfg.colsb[i] = 64, cfg.rows[i] = TR;
+  _tile_loadconfig(&cfg);
+}
+
+// 2^x lane-wise for x <= 12 (a degree-5 polynomial on the fraction, scaled by the integer part;
+// relative error about 2e-7, below the bfloat16 rounding the weights then get)
+inline __m512 exp2_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 y = _mm512_set1_ps(1.8775767e-3f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(8.9893397e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5826318e-2f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4015361e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9315308e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.9999994e-1f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// The kernel may use AMX's tile data in this process (Linux asks each process to request it).
+inline bool tiles_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+// One item, as attend() above, over the bfloat16 layout with AMX tiles. q: M rows of HD
+// bfloat16 (unscaled), padded with zeros to whole tiles; o: as many rows.
+void attend_bf16(const uint16_t* q, int M, int group, int first_token, int q_tokens,
+                 int seq_len, const uint16_t* cache, int64_t block_stride, int64_t head_stride,
+                 int kv_head, const int32_t* table, int b0, int b1, float scale, float* o,
+                 float* mx, float* sm) {
+  alignas(64) float s[MAXM][BS];
+  alignas(64) uint16_t p[MAXM][BS];  // each row's softmax weights of this block, bfloat16 bits
+  alignas(64) __m512 sums[MAXM];     // each row's running sum of weights, lane-wise
+  const int tiles = (M + TR - 1) / TR;
+  for (int m = 0; m < M; m++) mx[m] = -INFINITY, sums[m] = _mm512_setzero_ps();
+  const float slack = 8.f / scale, log2_scale = scale * 1.44269504088896341f;
+  std::memset(o, 0, sizeof(float) * tiles * TR * HD);
+  std::memset(p, 0, sizeof(uint16_t) * tiles * TR * BS);  // padding rows weigh nothing
+  configure_tiles();
+  const int first_pos = seq_len - q_tokens;
+  for (int b = b0; b < b1; b++) {
+    const uint16_t* keys =
+        cache + int64_t(table[b]) * block_stride + int64_t(kv_head) * head_stride;
+    const uint16_t* values = keys + HD * BS;
+    const int t0 = b * BS;
+    if (b + 1 < b1) {
+      const char* next = reinterpret_cast<const char*>(
+          cache + int64_t(table[b + 1]) * block_stride + int64_t(kv_head) * head_stride);
+      for (int off = 0; off < int(2 * HD * BS * sizeof(uint16_t)); off += 64)
+        __builtin_prefetch(next + off);
+    }
+    // scores: s[rows of tile r][16 tokens of half h] = q . keys, 32 dims at a time
+    for (int r = 0; r < tiles; r++)
+      for (int h = 0; h < NH; h++) {
+        _tile_zero(0);
+        for (int k = 0; k < HD / 32; k++) {
+          _tile_loadd(1, q + (r * TR) * HD + k * 32, HD * sizeof(uint16_t));
+          _tile_stream_loadd(2, keys + (h * NP + k * 16) * 32, 64);
+          _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, &s[r * TR][h * 16], BS * sizeof(float));
+      }
+    const bool edge = t0 + BS > first_pos + first_token + 1;  // the causal edge is here
+    for (int r = 0; r < M; r++) {
+      __mmask16 seen[BS / 16];  // the keys this row sees (all but at the causal edge)
+      for (int j = 0; j < BS / 16; j++) {
+        const int visible = edge ? first_pos + first_token + r / group + 1 - t0 - j * 16 : 16;
+        seen[j] = visible >= 16 ? 0xFFFF : visible <= 0 ? 0 : __mmask16((1u << visible) - 1);
+      }
+      __m512 x[BS / 16];
+      __m512 bm = _mm512_set1_ps(-INFINITY);
+      for (int j = 0; j < BS / 16; j++) {
+        x[j] = _mm512_loadu_ps(&s[r][j * 16]);
+        bm = _mm512_mask_max_ps(bm, seen[j], x[j], bm);
+      }
+      // the running maximum (in raw scores) is raised, and what was summed rescaled, only when
+      // a score exceeds it by more than 8 / scale: weights up to e^8 sit well within float32
+      // and bfloat16 range, and most blocks skip even finding their maximum
+      if (mx[r] == -INFINITY || _mm512_cmp_ps_mask(bm, _mm512_set1_ps(mx[r] + slack), _CMP_GT_OQ)) {
+        const float block_max = _mm512_reduce_max_ps(bm);
+        if (block_max == -INFINITY) {  // every key of this block is in this query's future
+          std::memset(p[r], 0, sizeof p[r]);
+          continue;
+        }
+        if (block_max > mx[r] + slack) {
+          const float corr = std::exp((mx[r] - block_max) * scale);
+          mx[r] = block_max;
+          sums[r] = _mm512_mul_ps(sums[r], _mm512_set1_ps(corr));
+          for (int d = 0; d < HD; d += 16)
+            _mm512_storeu_ps(o + r * HD + d,
+                             _mm512_mul_ps(_mm512_loadu_ps(o + r * HD + d), _mm512_set1_ps(corr)));
+        }
+      }
+      const __m512 shift = _mm512_set1_ps(-mx[r] * log2_scale);
+      for (int j = 0; j < BS / 16; j++) {
+        // e^((x - max) * scale) = 2^(x * scale * log2(e) - max * scale * log2(e))
+        const __m512 e = _mm512_maskz_mov_ps(
+            seen[j], exp2_ps(_mm512_fmadd_ps(x[j], _mm512_set1_ps(log2_scale), shift)));
+        sums[r] = _mm512_add_ps(sums[r], e);
+        const __m256bh eb = _mm512_cvtneps_pbh(e);
+        std::memcpy(&p[r][j * 16], &eb, sizeof eb);
+      }
+    }
+    // o[rows of tile r][16 dims of chunk c] += p . values, 32 tokens at a time
+    for (int r = 0; r < tiles; r++)
+      for (int c = 0; c < NC; c++) {
+        _tile_loadd(0, o + (r * TR) * HD + c * 16, HD * sizeof(float));
+        for (int g = 0; g < BS / 32; g++) {
+          _tile_loadd(1, &p[r * TR][g * 32], BS * sizeof(uint16_t));
+          _tile_stream_loadd(2, values + (c * (BS / 2) + g * 16) * 32, 64);
+          _tile_dpbf16ps(0, 1, 2);
+        }
+        _tile_stored(0, o + (r * TR) * HD + c * 16, HD * sizeof(float));
+      }
+  }
+  for (int r = 0; r < M; r++) {
+    sm[r] = _mm512_reduce_add_ps(sums[r]);
+    mx[r] *= scale;  // the combine below takes maxima in scaled scores
+  }
+}
+
+// The bfloat16 variant: queries and outputs are bfloat16; scores are scaled in float32.
+struct BFloat16 {
+  using Elem = uint16_t;
+  static void load_query(const uint16_t* src, uint16_t* dst, float) {
+    std::memcpy(dst, src, sizeof(uint16_t) * HD);
+  }
+  static bool ready() { return tiles_permitted(); }
+  // key splits of a fixed 128 blocks, whatever else the step holds: a query's output then
+  // depends on its own row's keys alone, bit for bit, as vLLM's does (a step of other rows or
+  // more query tokens must not round a row's bfloat16 output otherwise)
+  static int64_t split(int64_t, int) { return 128; }
+  static void pad_queries(uint16_t* q, int M) {  // zero rows up to a whole tile
+    const int tiles = (M + TR - 1) / TR;
+    std::memset(q + M * HD, 0, sizeof(uint16_t) * (tiles * TR - M) * HD);
+  }
+  static void done() { _tile_release(); }
+  static void store_out(uint16_t* dst, const float* acc, float inv) {
+    for (int c = 0; c < NC; c++) {
+      const __m256bh r = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + c * 16),
+                                                          _mm512_set1_ps(inv)));
+      std::memcpy(dst + c * 16, &r, sizeof r);
+    }
+  }
+  static void attend(const uint16_t* q, int M, int group, int first_token, int q_tokens,
+                     int seq_len, const uint16_t* cache, int64_t block_stride,
+                     int64_t head_stride, int kv_head, const int32_t* table, int b0, int b1,
+                     float scale, float* o, float* mx, float* sm) {
+    attend_bf16(q, M, group, first_token, q_tokens, seq_len, cache, block_stride, head_stride,
+                kv_head, table, b0, b1, scale, o, mx, sm);
+  }
+};
+#endif
 
 // Returns 0, or -1 when a row's group of query heads cannot form a tile (group > MAXM), -2 when
 // scratch memory cannot be allocated. Strides are in elements.
-int kapc_paged_attention(const float* query, int64_t q_token_stride, int64_t q_head_stride,
-                         float* out, int64_t o_token_stride, int64_t o_head_stride,
-                         const float* cache, int64_t block_stride, int64_t head_stride,
-                         const int32_t* query_start_loc, const int32_t* seq_lens, int rows,
-                         const int32_t* block_table, int64_t table_stride, int heads,
-                         int kv_heads, float scale) {
+template <class K, class E = typename K::Elem>
+int run(const E* query, int64_t q_token_stride, int64_t q_head_stride, E* out,
+        int64_t o_token_stride, int64_t o_head_stride, const E* cache, int64_t block_stride,
+        int64_t head_stride, const int32_t* query_start_loc, const int32_t* seq_lens, int rows,
+        const int32_t* block_table, int64_t table_stride, int heads, int kv_heads, float scale) {
   const int group = heads / kv_heads;
   if (group > MAXM) return -1;
+  if (!K::ready()) return -3;
   const int tokens_per_tile = MAXM / group;
-  // key splits: enough items for every thread several times over, none shorter than 8 blocks
   int64_t total_blocks = 0;
   for (int r = 0; r < rows; r++) total_blocks += (seq_lens[r] + BS - 1) / BS;
   const int threads = omp_get_max_threads();
-  int64_t split = total_blocks * kv_heads / (4 * threads);
-  split = split < 8 ? 8 : split > 256 ? 256 : split;
+  const int64_t split = K::split(total_blocks * kv_heads, threads);
 
   int n_items = 0;
   for (int r = 0; r < rows; r++) {
@@ -256,23 +468,28 @@ int kapc_paged_attention(const float* query, int64_t q_token_stride, int64_t q_h
     return first[a] != first[b] ? first[a] < first[b] : a < b;
   });
 
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int k = 0; k < n_items; k++) {
-    const int i = order[k];
-    const Item& it = items[i];
-    const int qt = query_start_loc[it.row + 1] - query_start_loc[it.row];
-    const int M = it.m1 - it.m0;
-    alignas(32) float q[MAXM * HD];
-    for (int m = 0; m < M; m++) {
-      const int token = (it.m0 + m) / group, h = it.kv_head * group + (it.m0 + m) % group;
-      const float* src = query + int64_t(query_start_loc[it.row] + token) * q_token_stride +
-                         int64_t(h) * q_head_stride;
-      for (int d = 0; d < HD; d++) q[m * HD + d] = src[d] * scale;
+#pragma omp parallel
+  {
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int k = 0; k < n_items; k++) {
+      const int i = order[k];
+      const Item& it = items[i];
+      const int qt = query_start_loc[it.row + 1] - query_start_loc[it.row];
+      const int M = it.m1 - it.m0;
+      alignas(64) E q[MAXM * HD];
+      for (int m = 0; m < M; m++) {
+        const int token = (it.m0 + m) / group, h = it.kv_head * group + (it.m0 + m) % group;
+        K::load_query(query + int64_t(query_start_loc[it.row] + token) * q_token_stride +
+                          int64_t(h) * q_head_stride,
+                      q + m * HD, scale);
+      }
+      K::pad_queries(q, M);
+      float* o = partial + int64_t(i) * item_floats;
+      K::attend(q, M, group, it.m0 / group, qt, seq_lens[it.row], cache, block_stride,
+                head_stride, it.kv_head, block_table + int64_t(it.row) * table_stride, it.b0,
+                it.b1, scale, o, o + int64_t(MAXM) * HD, o + int64_t(MAXM) * HD + MAXM);
     }
-    float* o = partial + int64_t(i) * item_floats;
-    attend(q, M, group, it.m0 / group, qt, seq_lens[it.row], cache, block_stride, head_stride,
-           it.kv_head, block_table + int64_t(it.row) * table_stride, it.b0, it.b1, o,
-           o + int64_t(MAXM) * HD, o + int64_t(MAXM) * HD + MAXM);
+    K::done();
   }
 
   // combine each query row's key splits (consecutive items with the same row, head and tile)
@@ -299,10 +516,9 @@ int kapc_paged_attention(const float* query, int64_t q_token_stride, int64_t q_h
         for (int d = 0; d < HD; d++) acc[d] += w * o[m * HD + d];
       }
       const int token = (it.m0 + m) / group, h = it.kv_head * group + (it.m0 + m) % group;
-      float* dst = out + int64_t(query_start_loc[it.row] + token) * o_token_stride +
-                   int64_t(h) * o_head_stride;
-      const float inv = 1.f / den;
-      for (int d = 0; d < HD; d++) dst[d] = acc[d] * inv;
+      K::store_out(out + int64_t(query_start_loc[it.row] + token) * o_token_stride +
+                       int64_t(h) * o_head_stride,
+                   acc, 1.f / den);
     }
     i = j;
   }
@@ -310,6 +526,52 @@ int kapc_paged_attention(const float* query, int64_t q_token_stride, int64_t q_h
   std::free(items);
   std::free(partial);
   return 0;
+}
+
+
+}  // namespace
+
+extern "C" {
+
+int kapc_head_dim() { return HD; }
+int kapc_block_size() { return BS; }
+
+// Attention over vLLM-CPU's float32 "vec" layout; see run() for the return codes.
+int kapc_paged_attention(const float* query, int64_t q_token_stride, int64_t q_head_stride,
+                         float* out, int64_t o_token_stride, int64_t o_head_stride,
+                         const float* cache, int64_t block_stride, int64_t head_stride,
+                         const int32_t* query_start_loc, const int32_t* seq_lens, int rows,
+                         const int32_t* block_table, int64_t table_stride, int heads,
+                         int kv_heads, float scale) {
+  return run<Float32>(query, q_token_stride, q_head_stride, out, o_token_stride, o_head_stride, cache,
+                        block_stride, head_stride, query_start_loc, seq_lens, rows, block_table,
+                        table_stride, heads, kv_heads, scale);
+}
+
+// Whether kapc_paged_attention_bf16 was built (the CPU has AMX-BF16).
+int kapc_has_bf16() {
+#ifdef KAPC_BF16
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// Attention over vLLM-CPU's bfloat16 "amx" layout (bfloat16 bits as uint16); -3 where the CPU
+// has no AMX-BF16 or the process may not use its tiles.
+int kapc_paged_attention_bf16(const uint16_t* query, int64_t q_token_stride,
+                              int64_t q_head_stride, uint16_t* out, int64_t o_token_stride,
+                              int64_t o_head_stride, const uint16_t* cache, int64_t block_stride,
+                              int64_t head_stride, const int32_t* query_start_loc,
+                              const int32_t* seq_lens, int rows, const int32_t* block_table,
+                              int64_t table_stride, int heads, int kv_heads, float scale) {
+#ifdef KAPC_BF16
+  return run<BFloat16>(query, q_token_stride, q_head_stride, out, o_token_stride, o_head_stride, cache,
+                        block_stride, head_stride, query_start_loc, seq_lens, rows, block_table,
+                        table_stride, heads, kv_heads, scale);
+#else
+  return -3;
+#endif
 }
 
 }  // extern "C"
