@@ -1,5 +1,5 @@
 """Key bounds on every KV cache layout vLLM 0.32 allocates, built on CPU from known keys: vLLM-CPU's
-packed blocks, and the logical [blocks, kv_heads, block_size, 2 * head_dim] view its GPU backends
+packed blocks (float32 for its "vec" kernels, bfloat16 for its AMX kernel), and the logical [blocks, kv_heads, block_size, 2 * head_dim] view its GPU backends
 (FlashAttention, FlashInfer, Triton, FlexAttention) index, under each physical stride order vLLM
 defines (`vllm.v1.kv_cache_layout.KVCacheLayout`). Each gives the same bounds and the same page
 choice as the keys themselves, the reader is found from one written key before any bound is read,
@@ -12,6 +12,7 @@ import torch
 
 from kapc.runtime import selection
 from kapc.runtime.vllm import compat
+from tests.runtime.test_kernels import amx_cache
 
 pytest.importorskip("vllm")
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
@@ -143,3 +144,73 @@ def test_shared_key_bounds_are_read_once_and_again_when_a_block_holds_other_keys
             n = pool.numel()
             assert torch.equal(lo[:, row, :n], want[0][layer])
             assert torch.equal(hi[:, row, :n], want[1][layer])
+
+
+def test_vllm_cpu_amx_layout_gives_the_keys_bounds_and_stamps():
+    # vLLM-CPU's bfloat16 cache for its AMX kernel splits a block's tokens in halves of 16 and a
+    # key's dims in pairs; bounds and stamps read through that are the keys' own
+    n, kvh, bs, hd = 5, 2, 32, 16
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(n, kvh, bs, hd, generator=g).bfloat16().float()
+    kv = amx_cache(keys, torch.randn(n, kvh, bs, hd, generator=g), bs)
+    slot = 3 * bs + 21  # in the second half of block 3
+    assert compat.reader_of(kv, slot, keys[3, :, 21].bfloat16()) == "vllm-cpu amx"
+    blocks = [4, 0, 3]
+    lo, hi = compat.layer_key_bounds([kv], "vllm-cpu amx", blocks)
+    want = keys[blocks].transpose(0, 1)  # [kvh, blocks, bs, hd]
+    assert torch.equal(lo[0].float(), want.amin(dim=2))
+    assert torch.equal(hi[0].float(), want.amax(dim=2))
+    stamps = compat.layer_block_stamps(kv, "vllm-cpu amx", [4, 1])
+    assert torch.equal(stamps.float(), keys[[4, 1]][:, :, [0, bs - 1]].transpose(1, 2))
+    assert compat.KEY_READERS["vllm-cpu amx"](kv).shape[0] == n  # the blocks it holds
+
+
+def test_the_amx_layout_is_the_one_vllm_cpu_writes():
+    # vLLM-CPU's own cache write (its "amx" ISA) puts every key and value where the readers and
+    # kapc's bfloat16 kernel look
+    from vllm import _custom_ops as ops
+
+    n, kvh, bs, hd = 3, 2, 32, 64
+    g = torch.Generator().manual_seed(4)
+    keys = torch.randn(n * bs, kvh, hd, generator=g).bfloat16()
+    values = torch.randn(n * bs, kvh, hd, generator=g).bfloat16()
+    kv = torch.zeros(n, kvh, bs, 2 * hd, dtype=torch.bfloat16)
+    k_view, v_view = kv.view(n, kvh, 2 * bs, hd).chunk(2, dim=2)
+    try:
+        ops.cpu_attn_reshape_and_cache(keys, values, k_view, v_view, torch.arange(n * bs), "amx")
+    except RuntimeError as exc:  # a vLLM-CPU build without its AMX kernels
+        pytest.skip(f"vLLM-CPU does not write its AMX layout here: {exc}")
+    per_block = (
+        keys.view(n, bs, kvh, hd).transpose(1, 2),
+        values.view(n, bs, kvh, hd).transpose(1, 2),
+    )
+    assert torch.equal(kv, amx_cache(per_block[0].float(), per_block[1].float(), bs))
+
+
+@pytest.mark.parametrize(
+    "isa,dtype,problem",
+    [
+        ("vec", torch.float32, None),
+        ("amx", torch.bfloat16, None),
+        ("vec", torch.bfloat16, "bfloat16 cache for its 'vec' kernel"),
+        ("vec16", torch.float32, "float32 cache for its 'vec16' kernel"),
+    ],
+)
+def test_kapc_kernel_stands_in_only_for_the_caches_it_reads(isa, dtype, problem):
+    # kapc's kernel reads vLLM-CPU's float32 "vec" and bfloat16 "amx" layouts; any other pair
+    # of kernel and dtype keeps vLLM's, with the reason
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    impl = object.__new__(CPUAttentionBackendImpl)
+    impl.kv_cache_dtype, impl.alibi_slopes, impl.sliding_window = "auto", None, -1
+    impl.logits_soft_cap, impl.sinks = 0.0, None
+    module = SimpleNamespace(impl=impl, isa=isa)
+    config = SimpleNamespace(
+        compilation_config=SimpleNamespace(static_forward_context={"layer.0": module}),
+        model_config=SimpleNamespace(dtype=dtype),
+    )
+    layout = compat.AttentionLayout(layer_names=["layer.0"], block_size=32, builder=None)
+    got = compat.attention_kernel_problem(config, layout)
+    assert got == problem if problem is None else problem in got

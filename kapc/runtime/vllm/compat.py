@@ -360,19 +360,27 @@ def attention_pre_hooks(vllm_config, layout: AttentionLayout, hook) -> None:
         module._kapc_hooked = True
 
 
+# The caches kapc's kernel reads: vLLM-CPU's kernel (ISA) and the dtype it keeps the cache in.
+KERNEL_LAYOUTS = {("vec", torch.float32), ("amx", torch.bfloat16)}
+
+
 def attention_kernel_problem(vllm_config, layout: AttentionLayout) -> str | None:
     """Why kapc's attention kernel cannot stand in for this engine's (None if it can): it reads
-    vLLM-CPU's float32 "vec" cache layout, with plain causal attention."""
+    vLLM-CPU's float32 "vec" and bfloat16 "amx" cache layouts, with plain causal attention."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
     for module in attention_modules(vllm_config, layout):
         impl = module.impl
         if type(impl) is not CPUAttentionBackendImpl:
             return f"the attention backend is {type(impl).__name__}, not vLLM-CPU's"
-        if getattr(module, "isa", None) != "vec":
-            return f"vLLM-CPU runs its {getattr(module, 'isa', '?')!r} kernel (layout unknown)"
-        if impl.kv_cache_dtype != "auto" or vllm_config.model_config.dtype != torch.float32:
-            return "the KV cache is not float32"
+        isa, dtype = getattr(module, "isa", None), vllm_config.model_config.dtype
+        if impl.kv_cache_dtype != "auto":
+            return f"the KV cache is quantised ({impl.kv_cache_dtype})"
+        if (isa, dtype) not in KERNEL_LAYOUTS:
+            return (
+                f"vLLM-CPU keeps a {str(dtype).removeprefix('torch.')} cache for its {isa!r} "
+                f"kernel (kapc's reads float32 for 'vec' and bfloat16 for 'amx')"
+            )
         if (
             impl.alibi_slopes is not None
             or impl.sliding_window != -1
@@ -481,14 +489,35 @@ def _kernel_choice(trials, m, layer: int) -> tuple[bool, tuple[int, int] | None]
     return on_kapc, shape if trials.trying(shape) else None
 
 
+# A key reader gives a layer's keys as a view [num_blocks, kv_heads, T1, T2, D1, D2]: token t of a
+# block at (t // T2, t % T2), dim d of a key at (d // D2, d % D2). Two axes each, because a cache
+# packed for a matrix unit (vLLM-CPU's AMX layout) splits tokens and dims across its memory.
+
+
 def _cpu_packed_keys(kv: torch.Tensor) -> torch.Tensor:
-    """vLLM-CPU: a layer's cache [num_blocks, kv_heads, block_size, 2 * head_dim] is packed by
-    its kernel with each block's keys first, head_dim-major (a key is a column), then its values;
-    the memory is read as such, so the tensor must be the contiguous one the kernel writes."""
+    """vLLM-CPU (its "vec" kernels): a layer's cache [num_blocks, kv_heads, block_size, 2 *
+    head_dim] is packed by its kernel with each block's keys first, head_dim-major (a key is a
+    column), then its values; the memory is read as such, so the tensor must be the contiguous
+    one the kernel writes."""
     if kv.device.type != "cpu" or not kv.is_contiguous():
         raise ValueError("not vLLM-CPU's contiguous cache")
     n, kvh, bs, two_hd = kv.shape
-    return kv.view(n, kvh, 2, two_hd // 2, bs)[:, :, 0].transpose(2, 3)
+    keys = kv.view(n, kvh, 2, two_hd // 2, bs)[:, :, 0].transpose(2, 3)
+    return keys[:, :, None, :, :, None]
+
+
+def _cpu_amx_keys(kv: torch.Tensor) -> torch.Tensor:
+    """vLLM-CPU's bfloat16 cache for its AMX kernel: each block's keys first, in halves of 16
+    tokens, each half pairs of dims (key t, dim d at ((t // 16) * head_dim / 2 + d // 2) * 32 +
+    (t % 16) * 2 + d % 2), the operand tiles AMX multiplies; then its values."""
+    if kv.device.type != "cpu" or not kv.is_contiguous() or kv.dtype != torch.bfloat16:
+        raise ValueError("not vLLM-CPU's contiguous bfloat16 cache")
+    n, kvh, bs, two_hd = kv.shape
+    hd = two_hd // 2
+    if bs % 16 or hd % 2:
+        raise ValueError("not a block of whole 16-token halves")
+    keys = kv.view(n, kvh, 2, bs * hd)[:, :, 0].view(n, kvh, bs // 16, hd // 2, 16, 2)
+    return keys.permute(0, 1, 2, 4, 3, 5)
 
 
 def _content_keys(kv: torch.Tensor) -> torch.Tensor:
@@ -496,13 +525,17 @@ def _content_keys(kv: torch.Tensor) -> torch.Tensor:
     view is logically [num_blocks, kv_heads, block_size, 2 * head_dim] with a token's key in the
     first head_dim of its content, whatever physical order the cache layout (LBHNC, BLNHC, ...)
     gives its strides; indexing the view reads through them."""
-    return kv[..., : kv.shape[-1] // 2]
+    return kv[..., : kv.shape[-1] // 2][:, :, None, :, :, None]
 
 
-# Where a layer's keys live, by name: each maps the layer's KV cache tensor to its keys
-# [num_blocks, kv_heads, block_size, head_dim], or raises ValueError if it cannot apply. The
-# engine's is found by `find_key_reader` before any bound is read.
-KEY_READERS = {"vllm-cpu packed": _cpu_packed_keys, "vLLM's logical view": _content_keys}
+# Where a layer's keys live, by name: each maps the layer's KV cache tensor to its keys (the view
+# above), or raises ValueError if it cannot apply. The engine's is found by `find_key_reader`
+# before any bound is read.
+KEY_READERS = {
+    "vllm-cpu packed": _cpu_packed_keys,
+    "vllm-cpu amx": _cpu_amx_keys,
+    "vLLM's logical view": _content_keys,
+}
 
 
 def _layer_cache(module) -> torch.Tensor:
@@ -521,16 +554,19 @@ def layer_key_bounds(caches: list[torch.Tensor], reader: str, blocks: list[int])
     lo, hi = [], []
     for kv in caches:
         index = torch.tensor(blocks, dtype=torch.long, device=kv.device)
-        k = KEY_READERS[reader](kv)  # [n, kvh, bs, hd], a view in whatever order memory holds
+        k = KEY_READERS[reader](
+            kv
+        )  # [n, kvh, T1, T2, D1, D2], a view in whatever order memory holds
         # gather and reduce in memory order: vLLM-CPU keeps a block's keys head-dim-major, and
         # gathering them as [bs, hd] transposes every block first (3x the time at 8K x 30 layers)
-        inner = sorted((1, 2, 3), key=lambda d: -k.stride(d))
+        inner = sorted(range(1, 6), key=lambda d: -k.stride(d))
         g = k.permute(0, *inner).index_select(0, index)
-        tok = 1 + inner.index(2)
-        kept = [d for d in inner if d != 2]  # kvh and hd, in memory order
-        order = [0] + [1 + kept.index(d) for d in (1, 3)]  # back to [m, kvh, hd]
-        lo.append(g.amin(dim=tok).permute(*order).transpose(0, 1))
-        hi.append(g.amax(dim=tok).permute(*order).transpose(0, 1))
+        tokens = [1 + inner.index(d) for d in (2, 3)]
+        kept = [d for d in inner if d not in (2, 3)]  # kvh, D1 and D2, in memory order
+        order = [0] + [1 + kept.index(d) for d in (1, 4, 5)]  # back to [m, kvh, D1, D2]
+        shape = (len(blocks), k.shape[1], k.shape[4] * k.shape[5])
+        lo.append(g.amin(dim=tokens).permute(*order).reshape(shape).transpose(0, 1))
+        hi.append(g.amax(dim=tokens).permute(*order).reshape(shape).transpose(0, 1))
     return torch.stack(lo), torch.stack(hi)
 
 
@@ -552,8 +588,10 @@ def layer_block_stamps(kv: torch.Tensor, reader: str, blocks: list[int]) -> torc
     vectors a block say whether a block still holds what it held when its bounds were read."""
     k = KEY_READERS[reader](kv)
     index = torch.tensor(blocks, dtype=torch.long, device=kv.device)
+    shape = (len(blocks), k.shape[1], k.shape[4] * k.shape[5])
     # each token is a view of every block; only `blocks`' rows of it are copied
-    return torch.stack([k[:, :, t].index_select(0, index) for t in (0, k.shape[2] - 1)], dim=1)
+    ends = (k[:, :, 0, 0], k[:, :, -1, -1])
+    return torch.stack([t.index_select(0, index).reshape(shape) for t in ends], dim=1)
 
 
 def block_stamps(vllm_config, layout: AttentionLayout, reader: str, blocks: list[int]):
@@ -571,8 +609,11 @@ def reader_of(kv: torch.Tensor, slot: int, key: torch.Tensor) -> str:
             keys = read(kv)
         except ValueError:
             continue
-        bs = keys.shape[2]
-        got = keys[slot // bs, :, slot % bs]
+        t2 = keys.shape[3]
+        block_size = keys.shape[2] * t2
+        t = slot % block_size
+        got = keys[slot // block_size, :, t // t2, t % t2]
+        got = got.reshape(got.shape[0], -1)
         if got.shape == key.shape and torch.allclose(
             got.float().cpu(), key.float().cpu(), rtol=1e-2, atol=1e-3
         ):

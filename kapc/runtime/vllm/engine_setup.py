@@ -173,19 +173,23 @@ class EngineSetup:
         compute-bound at one query token and pays per query token past the first, which made a
         verification cost 2 to 3 decode steps. Where it cannot run, vLLM's kernel does; the
         returned setting says why."""
+        import torch
+
         from kapc import settings
         from kapc.runtime import kernels
 
         problem = None if settings.attention_kernel() else "off (KAPC_ATTENTION_KERNEL=0)"
+        bf16 = self.vllm_config.model_config.dtype == torch.bfloat16
         if problem is None:
             problem = compat.attention_kernel_problem(self.vllm_config, self.layout)
         if problem is None:
+            head_dim = self.vllm_config.model_config.get_head_size()
             try:
-                kernels.load_paged_attention(
-                    self.vllm_config.model_config.get_head_size(), self.block_size
-                )
+                kernels.load_paged_attention(head_dim, self.block_size)
             except kernels.KernelUnavailable as exc:
                 problem = str(exc)
+            if problem is None and bf16 and not kernels.has_bfloat16(head_dim, self.block_size):
+                problem = "kapc's kernel reads bfloat16 caches only on CPUs with AMX-BF16"
         if problem is not None:
             log.info("kapc: attention runs on vLLM's: %s", problem)
             return f"vLLM's: {problem}"
@@ -198,6 +202,11 @@ class EngineSetup:
             if layer == 0:
                 on_kernel_step()
 
+        # A bfloat16 engine runs kapc's kernel in every forward it fits, untried: the two kernels
+        # round differently by a bfloat16 unit, enough to change a greedy token now and then, so
+        # a row must meet the same kernel in its decode steps and in the verification of its
+        # drafts, or drafting would change what the engine decodes. In float32 they agree to
+        # 1e-7 and each shape of forward takes the faster one.
         compat.replace_decode_attention(
             self.vllm_config,
             self.layout,
@@ -205,7 +214,7 @@ class EngineSetup:
             max_query=KERNEL_MAX_QUERY,
             on_call=counted,
             on_refused=refused,
-            trials=self.kernel_trials,
+            trials=None if bf16 else self.kernel_trials,
         )
         return "kapc's"
 
