@@ -56,13 +56,21 @@ def table(rows: list[dict]) -> list[str]:
             fmt(f"{r['tokens_per_cycle']:.2f}" for r in rs if r.get("tokens_per_cycle") is not None)
             or "-"
         )
-        same = (
-            "-"
-            if m == "full"
-            else fmt({True: "yes", False: "no", None: "-"}[r.get("identical_to_full")] for r in rs)
-        )
+        same = "-" if m == "full" else fmt(same_as_plain(r) for r in rs)
         out.append(f"| {c:,} | {b} | {m} | {speeds} | {ratios} | {s} | {h} | {tpc} | {same} |")
     return out
+
+
+def same_as_plain(row: dict) -> str:
+    """Whether a row's greedy tokens equal plain vLLM's, with how many of its batch's rows do
+    where some differ (rows recorded with that count)."""
+    same = row.get("identical_to_full")
+    if same is None:
+        return "-"
+    rows = row.get("rows_identical_to_full")
+    if same or rows is None:
+        return "yes" if same else "no"
+    return f"no ({rows}/{row['batch']} rows)"
 
 
 def plot(rows: list[dict], path: Path) -> Path:

@@ -5,6 +5,8 @@ work for as many tokens: where a verification step's time goes.
     python -m benchmarks.vllm_attention                       # SmolLM2 shapes, 8 rows of 7936 tokens
     python -m benchmarks.vllm_attention --batch 4 --context 4096 --queries 1,2,5
     python -m benchmarks.vllm_attention --batch 32 --context 3072 --queries 1 --sharing 4
+    python -m benchmarks.vllm_attention --model qwen2.5-coder-0.5b-instruct --dtype bfloat16 \
+        --context 32768 --queries 1,5                         # AMX: vLLM-CPU's "amx" layout
 
 `--sharing N` gives every N rows one prompt's blocks (rows r, r + B/N, ... read the same ones),
 as a server's prefix cache does when several requests carry the same prompt: then a kernel that
@@ -56,6 +58,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--sharing", type=int, default=1, help="rows reading each prompt's blocks (see above)"
     )
+    ap.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="float32: vLLM-CPU's 'vec' layout; bfloat16: its 'amx' layout (CPUs with AMX)",
+    )
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
@@ -70,6 +78,14 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    isa = "amx" if dtype == torch.bfloat16 else "vec"
+    if isa == "amx":
+        if not torch.cpu._is_amx_tile_supported():
+            ap.error("--dtype bfloat16 times vLLM-CPU's AMX kernel: this CPU has no AMX")
+        # Linux lets a process use AMX's tiles once it asks; a vLLM engine has by the time its
+        # kernel runs (its bfloat16 matmuls), this bare benchmark has not
+        torch._C._cpu._init_amx()
     cfg = json.loads((ensure_model(args.model) / "config.json").read_text())
     H, KVH = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     D = cfg["hidden_size"] // H
@@ -80,21 +96,21 @@ def main(argv=None) -> int:
     # one cache per layer, in vLLM-CPU's layout [blocks, kv heads, block size, 2 * head dim] (viewed
     # by its kernel as [blocks, kv heads, 2 * block size, head dim]: keys, then values); each
     # prompt's blocks scattered over the pool, as a serving engine's are, and read by --sharing rows
-    caches = [torch.randn(prompts * per_row, KVH, bs, 2 * D) for _ in range(layers)]
+    caches = [torch.randn(prompts * per_row, KVH, bs, 2 * D).to(dtype) for _ in range(layers)]
     views = [c.view(prompts * per_row, KVH, 2 * bs, D).chunk(2, dim=2) for c in caches]
     table = torch.randperm(prompts * per_row).to(torch.int32).view(prompts, per_row)
     table = table.repeat(args.sharing, 1).contiguous()
     weights = [
-        torch.randn(hidden, (H + 2 * KVH) * D),
-        torch.randn(H * D, hidden),
-        torch.randn(hidden, 2 * inter),
-        torch.randn(inter, hidden),
+        torch.randn(hidden, (H + 2 * KVH) * D).to(dtype),
+        torch.randn(H * D, hidden).to(dtype),
+        torch.randn(hidden, 2 * inter).to(dtype),
+        torch.randn(inter, hidden).to(dtype),
     ]
-    head = torch.randn(hidden, vocab)
+    head = torch.randn(hidden, vocab).to(dtype)
     print(
         f"{cfg.get('_name_or_path', 'model')}: {layers} layers, {H} query / {KVH} KV heads of "
         f"{D}; batch {B} x {L} context tokens ({prompts} prompts), block {bs}, "
-        f"split-KV {args.split_kv}, "
+        f"split-KV {args.split_kv}, {args.dtype} ({isa!r} layout), "
         f"{torch.get_num_threads()} threads"
     )
     print(
@@ -105,7 +121,7 @@ def main(argv=None) -> int:
     for q in (int(x) for x in args.queries.split(",")):
         starts = torch.arange(0, B + 1, dtype=torch.int32) * q
         lens = torch.full((B,), L, dtype=torch.int32)
-        query = torch.randn(B * q, H, D)
+        query = torch.randn(B * q, H, D).to(dtype)
         out, mine = torch.empty_like(query), torch.empty_like(query)
         meta = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=B,
@@ -113,11 +129,11 @@ def main(argv=None) -> int:
             num_kv_heads=KVH,
             head_dim=D,
             seq_lens=lens,
-            dtype=torch.float32,
+            dtype=dtype,
             query_start_loc=starts,
             causal=True,
             sliding_window_size=-1,
-            isa="vec",
+            isa=isa,
             enable_kv_split=args.split_kv,
         )
 
@@ -144,7 +160,7 @@ def main(argv=None) -> int:
             for cache in caches:
                 paged_attention(query, cache, mine, starts, lens, table, D**-0.5)
 
-        x, attn_out, mlp_mid = (torch.randn(B * q, n) for n in (hidden, H * D, inter))
+        x, attn_out, mlp_mid = (torch.randn(B * q, n).to(dtype) for n in (hidden, H * D, inter))
 
         def linear():  # qkv, output, gate+up and down projections per layer, then the LM head
             for _ in range(layers):
@@ -157,7 +173,7 @@ def main(argv=None) -> int:
         a = _best(attention, args.repeat) * 1000
         b = _best(kapc_attention, args.repeat) * 1000
         base = base or (a, b)
-        diff = (out - mine).abs().max().item()
+        diff = (out.float() - mine.float()).abs().max().item()
         print(
             f"{q:>3} {a:>9.1f} {a / base[0]:>6.2f}x {b:>9.1f} {b / base[1]:>6.2f}x "
             f"{a / b:>9.2f}x {diff:>9.1e} {_best(linear, args.repeat) * 1000:>10.1f}",

@@ -434,6 +434,10 @@ def run_rows(eng, label, cases, batches, args, with_plans: bool):
                 # and the tokens the step policy expected against those emitted
                 row["step_totals"] = res[0].get("step_totals")
                 row["forecast_tokens"] = tm.get("forecast_tokens")
+                # what kapc's engine ran (its attention kernel, per shape) and what runs changed
+                row["attention_kernel"] = res[0].get("attention_kernel")
+                row["kernel_choices"] = res[0].get("kernel_choices")
+                row["notes"] = sorted({r["note"] for r in res if r.get("note")})
                 row.update(
                     propose_s=tm.get("propose_s"),
                     select_s=tm.get("select_s"),
@@ -633,6 +637,7 @@ def main(argv=None):
     )
     print(hdr)
     print("-" * len(hdr))
+    without_plans = {(r["context"], r["batch"]): r for r in rows if r["method"] == "kapc-none"}
     for r in sorted(
         rows, key=lambda r: (r["context"], r["batch"], list(ENGINE_OF).index(r["method"]))
     ):
@@ -640,6 +645,14 @@ def main(argv=None):
         ratio = r["ratio"]
         same = (r["tokens"] == f["tokens"]) if f else None
         r["identical_to_full"] = same
+        if f:
+            r["rows_identical_to_full"] = sum(a == b for a, b in zip(r["tokens"], f["tokens"]))
+        # kapc's engine without plans decodes as kapc does, kernel for kernel: in bfloat16,
+        # where kapc's attention kernel rounds otherwise than vLLM's, this is what drafting
+        # must leave unchanged
+        plain_kapc = without_plans.get((r["context"], r["batch"]))
+        if plain_kapc and r["method"].startswith("kapc") and r is not plain_kapc:
+            r["identical_to_kapc_none"] = r["tokens"] == plain_kapc["tokens"]
 
         def fmt(x, spec):
             return "-" if x is None else format(x, spec)
