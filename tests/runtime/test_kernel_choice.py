@@ -68,3 +68,16 @@ def test_a_choice_is_tried_again_and_decided_on_every_trial_so_far():
     assert used == [True] * 30
     # on both trials' calls: kapc (0.0105 + 0.006) / 2 against the engine's 0.0100
     assert trials.summary()["q1 kv131072"] == "kapc 1.21x"
+
+
+def test_bfloat16_engines_verify_on_kapcs_kernel_and_decode_on_the_engines():
+    # a bfloat16 row decodes with the engine's kernel, as plain vLLM does, and only forwards of
+    # several query tokens per row (verifications) take kapc's; nothing is tried or timed
+    from kapc.runtime.kernels.choice import VerificationsOnly
+
+    policy = VerificationsOnly()
+    for tokens in (1024, 65536):
+        assert [policy.use_kapc((1, tokens), layer) for layer in range(4)] == [False] * 4
+        assert all(policy.use_kapc((q, tokens), 0) for q in (2, 5, 8))
+        assert not policy.trying((5, tokens))
+    assert set(policy.summary().values()) == {"engine (bfloat16)", "kapc (bfloat16)"}

@@ -111,3 +111,23 @@ class KernelTrials:
             f"q{q} kv{tokens}": f"{'kapc' if ratio <= 1.0 else 'engine'} {1 / ratio:.2f}x"
             for (q, tokens), ratio in sorted(self.ratios.items())
         }
+
+
+class VerificationsOnly:
+    """kapc's kernel for forwards of several query tokens per row (verifications), the engine's
+    for one (decode steps, draft forwards), untried. For bfloat16 engines: there the two kernels
+    round a row's output differently by a bfloat16 unit, now and then enough to change a greedy
+    token, so a row decodes with the engine's own kernel, as plain vLLM does, wherever it is not
+    verifying drafts; and one query token per row is where the engine's kernel is as fast."""
+
+    def use_kapc(self, shape: tuple[int, int], layer: int) -> bool:
+        return shape[0] > 1
+
+    def trying(self, shape: tuple[int, int]) -> bool:
+        return False
+
+    def timed(self, shape: tuple[int, int], kapc: bool, seconds: float) -> None:
+        pass
+
+    def summary(self) -> dict[str, str]:
+        return {"q1": "engine (bfloat16)", "q2 and more": "kapc (bfloat16)"}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
-from kapc.runtime.kernels.choice import KernelTrials
+from kapc.runtime.kernels.choice import KernelTrials, VerificationsOnly
 from kapc.runtime.vllm import compat, engine_kind
 from kapc.runtime.vllm.compat import UnsupportedAttention
 
@@ -73,7 +73,7 @@ class EngineSetup:
         # every attention layer calls `before_attention(layer, query, key)` first: page choice
         # and the key-layout probe (kapc.runtime.vllm.keys)
         compat.attention_pre_hooks(vllm_config, self.layout, before_attention)
-        self.kernel_trials = KernelTrials()
+        self.kernel_trials: KernelTrials | VerificationsOnly = KernelTrials()
         self.attention_kernel = self._install_attention_kernel(on_kernel_step)
         self.draft_copies: compat.DraftWeights | None = None
         self.draft_weights = self._install_draft_weights(runner)
@@ -202,11 +202,11 @@ class EngineSetup:
             if layer == 0:
                 on_kernel_step()
 
-        # A bfloat16 engine runs kapc's kernel in every forward it fits, untried: the two kernels
-        # round differently by a bfloat16 unit, enough to change a greedy token now and then, so
-        # a row must meet the same kernel in its decode steps and in the verification of its
-        # drafts, or drafting would change what the engine decodes. In float32 they agree to
-        # 1e-7 and each shape of forward takes the faster one.
+        # In float32 the kernels agree to 1e-7 and each shape of forward takes the faster one. In
+        # bfloat16 they round a row differently by a unit, enough to change a greedy token now
+        # and then: kapc's verifies, vLLM's decodes (see VerificationsOnly).
+        if bf16:
+            self.kernel_trials = VerificationsOnly()
         compat.replace_decode_attention(
             self.vllm_config,
             self.layout,
@@ -214,7 +214,7 @@ class EngineSetup:
             max_query=KERNEL_MAX_QUERY,
             on_call=counted,
             on_refused=refused,
-            trials=None if bf16 else self.kernel_trials,
+            trials=self.kernel_trials,
         )
         return "kapc's"
 
