@@ -68,7 +68,7 @@ def same_as_plain(row: dict) -> str:
     if same is None:
         return "-"
     rows = row.get("rows_identical_to_full")
-    if same or rows is None:
+    if same or rows is None or row["batch"] == 1:
         return "yes" if same else "no"
     return f"no ({rows}/{row['batch']} rows)"
 
