@@ -131,21 +131,12 @@ def load_paged_attention(head_dim: int, block_size: int) -> None:
     _library(int(head_dim), int(block_size))
 
 
-def paged_attention(
-    query, cache, out, query_start_loc, seq_lens, block_table, scale: float
-) -> None:
-    """out[t, h] = causal attention of query[t, h] over its row's keys and values in `cache`.
-
-    query, out: [tokens, heads, head_dim] (rows of `query_start_loc`'s lengths, each row's
-    tokens the last of its sequence); cache: vLLM-CPU's layer cache [blocks, kv_heads,
-    block_size, 2 * head_dim], float32 in its "vec" layout or bfloat16 in its "amx" layout
-    (paged_attention.cpp), query and output of the cache's dtype; query_start_loc
-    int32 [rows + 1]; seq_lens int32 [rows] (tokens each row sees, its queries included);
-    block_table int32 [rows, width], each row read as one continuous sequence."""
+def _input_problems(query, cache, out, query_start_loc, seq_lens, block_table) -> list[str]:
+    """What `paged_attention`'s inputs lack of what the kernel reads (empty: nothing)."""
     import torch
 
-    blocks, kv_heads, block_size, two_hd = cache.shape
-    tokens, heads, head_dim = query.shape
+    _, kv_heads, _, two_hd = cache.shape
+    _, heads, head_dim = query.shape
     problems = []
     if cache.dtype not in (torch.float32, torch.bfloat16) or not (
         query.dtype == cache.dtype == out.dtype
@@ -169,8 +160,28 @@ def paged_attention(
     rows = seq_lens.shape[0]
     if query_start_loc.shape[0] != rows + 1 or block_table.shape[0] < rows:
         problems.append("one query start per row plus one, and a block table row per row")
+    return problems
+
+
+def paged_attention(
+    query, cache, out, query_start_loc, seq_lens, block_table, scale: float
+) -> None:
+    """out[t, h] = causal attention of query[t, h] over its row's keys and values in `cache`.
+
+    query, out: [tokens, heads, head_dim] (rows of `query_start_loc`'s lengths, each row's
+    tokens the last of its sequence); cache: vLLM-CPU's layer cache [blocks, kv_heads,
+    block_size, 2 * head_dim], float32 in its "vec" layout or bfloat16 in its "amx" layout
+    (paged_attention.cpp), query and output of the cache's dtype; query_start_loc
+    int32 [rows + 1]; seq_lens int32 [rows] (tokens each row sees, its queries included);
+    block_table int32 [rows, width], each row read as one continuous sequence."""
+    import torch
+
+    problems = _input_problems(query, cache, out, query_start_loc, seq_lens, block_table)
     if problems:
         raise KernelUnavailable("kapc's attention kernel needs " + "; ".join(problems))
+    _, kv_heads, block_size, _ = cache.shape
+    _, heads, head_dim = query.shape
+    rows = seq_lens.shape[0]
     lib = _library(head_dim, block_size)
     entry = (
         lib.kapc_paged_attention_bf16 if cache.dtype == torch.bfloat16 else lib.kapc_paged_attention
