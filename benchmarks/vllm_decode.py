@@ -604,7 +604,9 @@ def main(argv=None):
             args.budget_ratio,
             batches,
             args.frontend,
-            variants=list(dict.fromkeys(variant_of(m) for m in methods if has_plans(m))),
+            # without a plan method, one greedy plan a question still gives its prompt's tokens
+            variants=list(dict.fromkeys(variant_of(m) for m in methods if has_plans(m)))
+            or [("greedy", None)],
             new_tokens=args.max_tokens,
             auto=args.auto,
             select=args.select,
