@@ -67,27 +67,23 @@ inline v8 load(const float* p) { v8 v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
 inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
 
-template <class V>
-inline V splatv(float x) { V v = {}; return v + x; }
-
-// exp(x) lane-wise (Cephes' single-precision range reduction and polynomial, about 1 ulp)
-template <class V, class VI>
-inline V vexp(V x) {
-  x = x < splatv<V>(-87.33654f) ? splatv<V>(-87.33654f) : x;
-  V fx = x * splatv<V>(1.44269504088896341f) + splatv<V>(0.5f);
-  V fl = __builtin_convertvector(__builtin_convertvector(fx, VI), V);
-  fl = fl > fx ? fl - splatv<V>(1.0f) : fl;  // floor
-  x = x - fl * splatv<V>(0.693359375f) + fl * splatv<V>(2.12194440e-4f);
-  V z = x * x;
-  V y = splatv<V>(1.9875691500e-4f);
-  y = y * x + splatv<V>(1.3981999507e-3f);
-  y = y * x + splatv<V>(8.3334519073e-3f);
-  y = y * x + splatv<V>(4.1665795894e-2f);
-  y = y * x + splatv<V>(1.6666665459e-1f);
-  y = y * x + splatv<V>(5.0000001201e-1f);
-  y = y * z + x + splatv<V>(1.0f);
-  VI e = (__builtin_convertvector(fl, VI) + 127) << 23;
-  V scale;
+// exp(x) on 8 lanes (Cephes' single-precision range reduction and polynomial, about 1 ulp)
+inline v8 vexp(v8 x) {
+  x = x < splat(-87.33654f) ? splat(-87.33654f) : x;
+  v8 fx = x * splat(1.44269504088896341f) + splat(0.5f);
+  v8 fl = __builtin_convertvector(__builtin_convertvector(fx, v8i), v8);
+  fl = fl > fx ? fl - splat(1.0f) : fl;  // floor
+  x = x - fl * splat(0.693359375f) + fl * splat(2.12194440e-4f);
+  v8 z = x * x;
+  v8 y = splat(1.9875691500e-4f);
+  y = y * x + splat(1.3981999507e-3f);
+  y = y * x + splat(8.3334519073e-3f);
+  y = y * x + splat(4.1665795894e-2f);
+  y = y * x + splat(1.6666665459e-1f);
+  y = y * x + splat(5.0000001201e-1f);
+  y = y * z + x + splat(1.0f);
+  v8i e = (__builtin_convertvector(fl, v8i) + 127) << 23;
+  v8 scale;
   std::memcpy(&scale, &e, sizeof scale);
   return y * scale;
 }
@@ -170,7 +166,7 @@ void attend(const float* q, int M, int group, int first_token, int q_tokens, int
       mx[r] = new_max;
       v8 sum = splat(0.f);
       for (int j = 0; j < NV_B; j++) {
-        v8 e = vexp<v8, v8i>(load(&s[r][j * VL]) - splat(new_max));
+        v8 e = vexp(load(&s[r][j * VL]) - splat(new_max));
         sum += e;
         store(&p[j * VL], e);
       }
@@ -185,7 +181,6 @@ void attend(const float* q, int M, int group, int first_token, int q_tokens, int
     }
   }
 }
-
 
 // The float32 variant: the query tile is scaled as it is copied in.
 struct Float32 {
@@ -213,7 +208,6 @@ struct Float32 {
 };
 
 #ifdef KAPC_BF16
-static_assert(HD % 32 == 0 && BS % 32 == 0, "AMX tiles take 32 dims and 32 tokens at a time");
 constexpr int NH = BS / 16;  // 16-token halves of a block's keys: one score tile's columns each
 constexpr int NP = HD / 2;   // dim pairs of a key
 constexpr int NC = HD / 16;  // 16-dim chunks of a value: one output tile's columns each
@@ -387,7 +381,8 @@ struct BFloat16 {
 #endif
 
 // Returns 0, or -1 when a row's group of query heads cannot form a tile (group > MAXM), -2 when
-// scratch memory cannot be allocated. Strides are in elements.
+// scratch memory cannot be allocated, -3 when K cannot run here (AMX tiles refused). Strides are
+// in elements.
 template <class K, class E = typename K::Elem>
 int run(const E* query, int64_t q_token_stride, int64_t q_head_stride, E* out,
         int64_t o_token_stride, int64_t o_head_stride, const E* cache, int64_t block_stride,
@@ -527,7 +522,6 @@ int run(const E* query, int64_t q_token_stride, int64_t q_head_stride, E* out,
   std::free(partial);
   return 0;
 }
-
 
 }  // namespace
 
