@@ -649,9 +649,8 @@ def main(argv=None):
         r["identical_to_full"] = same
         if f:
             r["rows_identical_to_full"] = sum(a == b for a, b in zip(r["tokens"], f["tokens"]))
-        # kapc's engine without plans decodes as kapc does, kernel for kernel: in bfloat16,
-        # where kapc's attention kernel rounds otherwise than vLLM's, this is what drafting
-        # must leave unchanged
+        # whether drafting changed what kapc's engine decodes without plans (in bfloat16 a
+        # verification rounds otherwise than a decode step, so it may)
         plain_kapc = without_plans.get((r["context"], r["batch"]))
         if plain_kapc and r["method"].startswith("kapc") and r is not plain_kapc:
             r["identical_to_kapc_none"] = r["tokens"] == plain_kapc["tokens"]

@@ -554,9 +554,8 @@ def layer_key_bounds(caches: list[torch.Tensor], reader: str, blocks: list[int])
     lo, hi = [], []
     for kv in caches:
         index = torch.tensor(blocks, dtype=torch.long, device=kv.device)
-        k = KEY_READERS[reader](
-            kv
-        )  # [n, kvh, T1, T2, D1, D2], a view in whatever order memory holds
+        # [n, kvh, T1, T2, D1, D2], a view in whatever order memory holds
+        k = KEY_READERS[reader](kv)
         # gather and reduce in memory order: vLLM-CPU keeps a block's keys head-dim-major, and
         # gathering them as [bs, hd] transposes every block first (3x the time at 8K x 30 layers)
         inner = sorted(range(1, 6), key=lambda d: -k.stride(d))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from kapc.runtime.kernels.choice import KernelTrials, VerificationsOnly
 from kapc.runtime.vllm import compat, engine_kind
 from kapc.runtime.vllm.compat import UnsupportedAttention
@@ -73,7 +75,11 @@ class EngineSetup:
         # every attention layer calls `before_attention(layer, query, key)` first: page choice
         # and the key-layout probe (kapc.runtime.vllm.keys)
         compat.attention_pre_hooks(vllm_config, self.layout, before_attention)
-        self.kernel_trials: KernelTrials | VerificationsOnly = KernelTrials()
+        # In float32 the kernels agree to 1e-7 and each shape of forward takes the faster one. In
+        # bfloat16 they round a row differently by a unit, enough to change a greedy token now
+        # and then: kapc's verifies, vLLM's decodes (see VerificationsOnly).
+        self.bf16 = vllm_config.model_config.dtype == torch.bfloat16
+        self.kernel_trials = VerificationsOnly() if self.bf16 else KernelTrials()
         self.attention_kernel = self._install_attention_kernel(on_kernel_step)
         self.draft_copies: compat.DraftWeights | None = None
         self.draft_weights = self._install_draft_weights(runner)
@@ -103,8 +109,6 @@ class EngineSetup:
     def find_profile(self):
         """This engine's calibration profile, if `kapc calibrate` measured one for this model on
         this machine (else None): one timed with this worker's thread count where there is one."""
-        import torch
-
         from kapc.errors import KapcError
         from kapc.profile import find_profile
 
@@ -173,13 +177,10 @@ class EngineSetup:
         compute-bound at one query token and pays per query token past the first, which made a
         verification cost 2 to 3 decode steps. Where it cannot run, vLLM's kernel does; the
         returned setting says why."""
-        import torch
-
         from kapc import settings
         from kapc.runtime import kernels
 
         problem = None if settings.attention_kernel() else "off (KAPC_ATTENTION_KERNEL=0)"
-        bf16 = self.vllm_config.model_config.dtype == torch.bfloat16
         if problem is None:
             problem = compat.attention_kernel_problem(self.vllm_config, self.layout)
         if problem is None:
@@ -188,7 +189,11 @@ class EngineSetup:
                 kernels.load_paged_attention(head_dim, self.block_size)
             except kernels.KernelUnavailable as exc:
                 problem = str(exc)
-            if problem is None and bf16 and not kernels.has_bfloat16(head_dim, self.block_size):
+            if (
+                problem is None
+                and self.bf16
+                and not kernels.has_bfloat16(head_dim, self.block_size)
+            ):
                 problem = "kapc's kernel reads bfloat16 caches only on CPUs with AMX-BF16"
         if problem is not None:
             log.info("kapc: attention runs on vLLM's: %s", problem)
@@ -202,11 +207,6 @@ class EngineSetup:
             if layer == 0:
                 on_kernel_step()
 
-        # In float32 the kernels agree to 1e-7 and each shape of forward takes the faster one. In
-        # bfloat16 they round a row differently by a unit, enough to change a greedy token now
-        # and then: kapc's verifies, vLLM's decodes (see VerificationsOnly).
-        if bf16:
-            self.kernel_trials = VerificationsOnly()
         compat.replace_decode_attention(
             self.vllm_config,
             self.layout,
