@@ -114,3 +114,23 @@ def engine(baseline):
     eng.use_profile("none")
     yield eng
     eng.close()
+
+
+def run_probe(module: str, cases: list, tmp_path: Path) -> dict:
+    """Run `python -m tests.vllm.<module> CASES.json OUT.json` on `cases` (their prompts and
+    plans) in a process of its own, as an engine that must not share this one needs; its output."""
+    import json
+    import subprocess
+    import sys
+
+    given, got = tmp_path / "cases.json", tmp_path / "out.json"
+    given.write_text(json.dumps([[c.ids, c.data.hex()] for c in cases]))
+    done = subprocess.run(
+        [sys.executable, "-m", f"tests.vllm.{module}", str(given), str(got)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(got.read_text())

@@ -4,14 +4,10 @@ the AMX layout. Run only where the CPU has AMX: elsewhere vLLM-CPU keeps no cach
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from tests.vllm.conftest import ROOT
+from tests.vllm.conftest import run_probe
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.model
@@ -22,17 +18,7 @@ def test_bfloat16_engine_verifies_on_kapcs_kernel_and_reads_amx_keys(cases, tmp_
         pytest.skip("this CPU has no AMX: vLLM-CPU runs bfloat16 on another kernel here")
     from kapc.runtime.kernels.choice import VerificationsOnly
 
-    given, got = tmp_path / "cases.json", tmp_path / "out.json"
-    given.write_text(json.dumps([[c.ids, c.data.hex()] for c in cases[:3]]))
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.vllm.bfloat16_probe", str(given), str(got)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(got.read_text())
+    out = run_probe("bfloat16_probe", cases[:3], tmp_path)
     engine = out["engine"]
     assert engine["attention_kernel"] == "kapc's"
     assert engine["kernel_choices"] == VerificationsOnly().summary()

@@ -7,30 +7,16 @@ plans. The engine runs in a process of its own (tests/vllm/preemption_probe.py).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.vllm.conftest import ROOT
+from tests.vllm.conftest import run_probe
 
 pytest.importorskip("vllm")
 
 
 def test_a_preempted_request_reads_its_key_bounds_again_from_its_new_blocks(cases, tmp_path):
     pick = cases[:2] * 2  # prompts of 965 and 871 tokens
-    given, got = tmp_path / "cases.json", tmp_path / "out.json"
-    given.write_text(json.dumps([[c.ids, c.data.hex()] for c in pick]))
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.vllm.preemption_probe", str(given), str(got)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(got.read_text())
+    out = run_probe("preemption_probe", pick, tmp_path)
     res = out["planned"]
     assert [r["tokens"] for r in res] == out["plain"]
     moved = [r for r in res if r["block_moves"]]
